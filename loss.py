@@ -1,0 +1,168 @@
+"""The GRPO policy loss in plain PyTorch: the reference that kernels/ must match.
+
+Per completion token t of sequence i, with advantage A_i (advantage.py):
+    ratio_t  = exp(logp_t - old_logp_t)                        (importance ratio, PPO)
+    pg_t     = -min(ratio_t * A_i, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_i)
+    kl_t     = exp(ref_t - logp_t) - (ref_t - logp_t) - 1      (k3 estimator, always >= 0)
+    loss_t   = pg_t * w_t + beta * kl_t - entropy_coef * H_t
+and the (B, T) loss_t is reduced to a scalar by one of four normalisations (reduce_loss).
+
+Variants:
+    loss_type "grpo"    : mean over sequences of each sequence's token mean (DeepSeekMath eq. 3)
+              "bnpo"    : sum over tokens / number of unmasked tokens in this batch
+              "dr_grpo" : sum / (B * max_completion_length), no length bias (Dr. GRPO, arXiv 2503.20783)
+              "dapo"    : sum / num_items, unmasked tokens of the whole generation batch (DAPO, arXiv 2503.14476)
+    importance_sampling_level "token" (GRPO) or "sequence" (GSPO, arXiv 2507.18071: one ratio per
+        sequence, exp of the masked mean of the token log-ratios)
+    w_t = min(exp(old_logp_t - sampling_logp_t), tis_cap): truncated importance sampling for the
+        rollout-engine / trainer mismatch (Yao et al. 2025, "Your efficient RL framework secretly
+        brings you off-policy RL training"); w = 1 when tis_cap is None.
+    H_t = entropy of softmax(logits / temperature): optional exploration bonus (entropy_coef).
+
+Run the tests: python -m pytest -q tests/test_loss.py
+
+Simplifications:
+1. old_logps=None means on-policy (one update per generation): the ratio is 1 in value but keeps
+   its gradient (logp - logp.detach()), so the loss is the plain policy gradient.
+2. The KL term needs ref_logps only when beta != 0; it is never clipped or importance-weighted.
+3. Metrics are masked token means over this micro-batch, returned as plain floats (one sync).
+"""
+from functools import partial
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+IS_LEVELS = ("token", "sequence")
+CHUNK_ELEMENTS = 2**26  # fp32 elements per row chunk (256 MiB): bounds the transient upcast copy
+
+
+# -----------------------------------------------------------------------------
+# log-probs and entropies from logits, a chunk of rows at a time
+
+def _upcast(rows, temperature):
+    # bf16 logits are upcast before dividing so the result does not depend on bf16 rounding;
+    # fp64 stays fp64 so gradcheck can run on these functions.
+    return rows.to(torch.promote_types(rows.dtype, torch.float32)) / temperature  # (n, V)
+
+
+def _chosen_logps(rows, ids, temperature):
+    z = _upcast(rows, temperature)  # (n, V)
+    return z.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)  # (n,)
+
+
+def _entropy(rows, temperature):
+    logp = _upcast(rows, temperature).log_softmax(-1)  # (n, V)
+    return -(logp.exp() * logp).sum(-1)  # (n,)
+
+
+def _by_row_chunks(fn, logits, *row_args, chunk_rows=None):
+    """fn over chunks of rows of logits (B, T, V) -> (B, T), each chunk at most chunk_rows positions
+    of one sequence. Under autograd each chunk is checkpointed: its fp32 intermediates are recomputed
+    in backward (one extra forward per chunk) instead of being saved, so no full fp32 (B, T, V) copy
+    ever exists, in forward or backward."""
+    B, T, V = logits.shape
+    step = chunk_rows or max(1, CHUNK_ELEMENTS // V)
+
+    def chunked(x):  # unbind + split, not reshape: the caller's logits[:, :-1] is not contiguous and
+        # reshape would copy all of it; and their backward concatenates the chunk gradients once
+        return [c for row in x.unbind(0) for c in row.split(step)]
+    save_nothing = torch.is_grad_enabled() and logits.requires_grad
+    out = [checkpoint(fn, *args, use_reentrant=False) if save_nothing else fn(*args)
+           for args in zip(chunked(logits), *map(chunked, row_args))]
+    return torch.cat(out).view(B, T)
+
+
+def selective_log_softmax(logits, ids, temperature=1.0, chunk_rows=None):
+    """log softmax(logits / temperature)[ids]: (B, T, V), (B, T) -> (B, T) in fp32
+    (fp64 for fp64 logits). Must use the sampling temperature, or the ratio is off-policy."""
+    return _by_row_chunks(partial(_chosen_logps, temperature=temperature), logits, ids,
+                          chunk_rows=chunk_rows)
+
+
+def entropy_from_logits(logits, temperature=1.0, chunk_rows=None):
+    """Entropy -sum_v p_v log p_v of p = softmax(logits / temperature): (B, T, V) -> (B, T) fp32."""
+    return _by_row_chunks(partial(_entropy, temperature=temperature), logits, chunk_rows=chunk_rows)
+
+
+# -----------------------------------------------------------------------------
+# the loss
+
+def _check(loss_type, num_items, max_completion_length, importance_sampling_level="token"):
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r}: choose one of {LOSS_TYPES}")
+    if importance_sampling_level not in IS_LEVELS:
+        raise ValueError(f"importance_sampling_level={importance_sampling_level!r}: choose one of {IS_LEVELS}")
+    if loss_type == "dapo" and num_items is None:
+        raise ValueError("loss_type='dapo' divides by num_items: pass the number of unmasked completion "
+                         "tokens in the whole generation batch (all ranks, all accumulation steps)")
+    if loss_type == "dr_grpo" and max_completion_length is None:
+        raise ValueError("loss_type='dr_grpo' divides by B * max_completion_length: pass max_completion_length")
+
+
+def reduce_loss(per_token_loss, mask, loss_type="grpo", num_items=None, max_completion_length=None):
+    """(B, T) per-token loss and completion mask -> scalar, normalised as loss_type says.
+    For "dapo" under data parallelism, where gradients are averaged over W ranks, pass num_items / W
+    (as TRL does) so the result is the sum over all tokens / num_items."""
+    _check(loss_type, num_items, max_completion_length)
+    mask = mask.to(per_token_loss.dtype)  # (B, T)
+    masked = per_token_loss * mask  # (B, T)
+    if loss_type == "grpo":  # each sequence weighs the same, whatever its length
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "bnpo":  # each token of this batch weighs the same
+        return masked.sum() / mask.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":  # constant normaliser: no bias toward short or long answers
+        return masked.sum() / (per_token_loss.size(0) * max_completion_length)
+    return masked.sum() / num_items  # dapo: each token of the generation batch weighs the same
+
+
+def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo", epsilon_low=0.2,
+              epsilon_high=0.2, beta=0.0, num_items=None, max_completion_length=None,
+              importance_sampling_level="token", entropies=None, entropy_coef=0.0,
+              sampling_logps=None, tis_cap=None):
+    """Clipped surrogate + k3 KL (+ entropy bonus) -> (scalar loss, metrics dict of floats).
+    logps, old_logps, ref_logps, mask, entropies, sampling_logps: (B, T); advantages: (B,)."""
+    _check(loss_type, num_items, max_completion_length, importance_sampling_level)
+    if beta != 0 and ref_logps is None:
+        raise ValueError(f"beta={beta} needs ref_logps (the reference model's log-probs); or set beta=0")
+    if tis_cap is not None and sampling_logps is None:
+        raise ValueError("tis_cap needs sampling_logps (the rollout engine's log-probs of the sampled tokens)")
+    if entropy_coef != 0 and entropies is None:
+        raise ValueError(f"entropy_coef={entropy_coef} needs entropies (see entropy_from_logits)")
+    mask = mask.to(logps.dtype)  # (B, T)
+    old = logps.detach() if old_logps is None else old_logps  # (B, T)
+    log_ratio = logps - old  # (B, T)
+    if importance_sampling_level == "sequence":  # GSPO: one ratio per sequence, eq. 7
+        seq_log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # (B,)
+        log_ratio = seq_log_ratio.unsqueeze(-1).expand_as(logps)  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T)
+    A = advantages.unsqueeze(-1)  # (B, 1)
+    clipped_ratio = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)  # (B, T)
+    per_token = -torch.min(ratio * A, clipped_ratio * A)  # (B, T)
+    if tis_cap is not None:  # a constant weight: corrects the sampling distribution, carries no gradient
+        per_token = per_token * torch.clamp(torch.exp(old - sampling_logps), max=tis_cap).detach()
+    kl = None
+    if ref_logps is not None:
+        delta = ref_logps - logps  # (B, T)
+        kl = torch.exp(delta) - delta - 1  # (B, T), k3 (Schulman 2020, "Approximating KL divergence")
+        if beta != 0:
+            per_token = per_token + beta * kl
+    if entropies is not None and entropy_coef != 0:
+        per_token = per_token - entropy_coef * entropies  # maximise entropy: keeps exploring
+    loss = reduce_loss(per_token, mask, loss_type, num_items, max_completion_length)
+
+    with torch.no_grad():
+        def masked_mean(x):
+            return (x * mask).sum() / mask.sum().clamp(min=1.0)
+        clip_low = (ratio < 1 - epsilon_low) & (A < 0)  # (B, T): clipped from below, gradient is 0
+        clip_high = (ratio > 1 + epsilon_high) & (A > 0)  # (B, T): clipped from above
+        stats = {"clip_low": masked_mean(clip_low.to(mask.dtype)),
+                 "clip_high": masked_mean(clip_high.to(mask.dtype)),
+                 "clip_region": masked_mean((clip_low | clip_high).to(mask.dtype)),
+                 "ratio_mean": masked_mean(ratio)}
+        if kl is not None:
+            stats["kl"] = masked_mean(kl)
+        if entropies is not None:
+            stats["entropy"] = masked_mean(entropies)
+        metrics = dict(zip(stats, torch.stack(list(stats.values())).tolist()))
+    return loss, metrics

@@ -1,0 +1,175 @@
+"""Rule rewards: score each completion, one float (or None) per completion per function.
+
+Contract (the same as TRL's GRPOTrainer): a reward function is
+    fn(completions, **columns) -> list[float | None]
+called once per batch with keywords: completions (N strings, or N conversations
+[{"role": "assistant", "content": ...}]), prompts, completion_ids (N lists of token ids) and every
+other dataset column (e.g. solution), each a list of N. None means "no opinion on this sample"
+(e.g. the gold answer does not parse): advantage.py skips it instead of counting it as 0.
+compute_rewards stacks the F functions into an (N, F) tensor, NaN where a function said None.
+
+Built-ins (REWARD_FUNCS, picked by name on the command line):
+    accuracy_reward            1 if math-verify finds the answer equal to the gold, else 0
+    reasoning_accuracy_reward  the same on the text after the reasoning block; 0 if it never closes
+    think_format_reward        1 if the completion is "<think>...</think>answer", else 0
+    exact_match_reward         1 if the stripped completion equals the stripped gold (the synthetic task)
+and the factory get_soft_overlong_punishment(L_max, L_cache), DAPO (arXiv 2503.14476) eq. 13:
+    R(y) = 0 if |y| <= L_max - L_cache;  (L_max - L_cache - |y|) / L_cache if |y| <= L_max;  -1 beyond.
+
+Run the tests: python -m pytest -q tests/test_reward.py
+
+Simplifications:
+1. A conversation is scored by the content of its last message.
+2. math-verify parses with its default extraction (LaTeX, \\boxed{} first, then plain expressions),
+   so "The answer is 1,234." counts like \\boxed{1234}; TRL's accuracy_reward accepts only LaTeX.
+3. math-verify's timeouts use SIGALRM: call these rewards from the main thread.
+4. math-verify extracts no number glued to ">" ("</think>72" reads like "x>72"): for thinking models
+   use reasoning_accuracy_reward, which scores only the text after "</think>".
+"""
+import functools
+import importlib
+import math
+import numbers
+import re
+
+import torch
+from math_verify import parse, verify
+
+
+def _text(completion):
+    """A completion as plain text: a string, or the content of a conversation's last message."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, (list, tuple)) and completion and isinstance(completion[-1], dict):
+        return completion[-1].get("content") or ""
+    raise TypeError(f"a completion must be a string or a list of {{'role', 'content'}} messages, got {completion!r:.80}")
+
+
+@functools.lru_cache(maxsize=4096)  # each gold repeats G times in a batch
+def _parse_gold(solution):
+    # GSM8K golds are "<worked solution with <<48/2=24>> calculator notes>\n#### 1,234". math-verify
+    # knows no "####": on the whole text it picks a number by its own ranking (for "#### 10\nnote: 5
+    # were red" it picks 5) after parsing every step. Keep only the rest of the marker's line, as
+    # math-verify's own GSM8K task does (math_verify/tasks.py splits on "####").
+    if "####" in solution:
+        solution = solution.split("####")[-1].strip().split("\n")[0]
+    return parse(solution.strip())
+
+
+def _score(solution, answer_text):
+    """1.0 / 0.0 by math-verify, None when the gold does not parse."""
+    if solution is None:
+        return None
+    gold = _parse_gold(str(solution))
+    if not gold:
+        return None
+    try:
+        return float(verify(gold, parse(answer_text)))
+    except Exception:  # a comparison math-verify cannot do (timeout, sympy error): no opinion
+        return None
+
+
+def accuracy_reward(completions, solution, **kw):
+    return [_score(sol, _text(c)) for c, sol in zip(completions, solution, strict=True)]
+
+
+def reasoning_accuracy_reward(completions, solution, reasoning_delimiters=("</think>",), **kw):
+    """accuracy_reward on the text after the last reasoning delimiter: numbers in the reasoning
+    do not count, and a completion whose reasoning never closes scores 0."""
+    rewards = []
+    for c, sol in zip(completions, solution, strict=True):
+        text = _text(c)
+        ends = [text.rfind(d) + len(d) for d in reasoning_delimiters if d in text]
+        if sol is None or not _parse_gold(str(sol)):
+            rewards.append(None)
+        else:
+            rewards.append(_score(sol, text[max(ends):]) if ends else 0.0)
+    return rewards
+
+
+_THINK = re.compile(r"\s*<think>(.*?)</think>(.*)", re.DOTALL)
+
+
+def think_format_reward(completions, **kw):
+    """1.0 iff the completion is one complete <think>...</think> block, then a non-empty answer
+    with no further think tags."""
+    rewards = []
+    for c in completions:
+        m = _THINK.fullmatch(_text(c))
+        ok = m is not None and "<think>" not in m[1] and re.search(r"</?think>", m[2]) is None and m[2].strip() != ""
+        rewards.append(float(ok))
+    return rewards
+
+
+def exact_match_reward(completions, solution, **kw):
+    return [None if sol is None else float(_text(c).strip() == str(sol).strip())
+            for c, sol in zip(completions, solution, strict=True)]
+
+
+def get_soft_overlong_punishment(max_completion_len, soft_punish_cache):
+    """DAPO's soft overlong punishment (eq. 13) on completion token counts: 0 up to
+    L_max - L_cache tokens, then a linear ramp down to -1 at L_max, -1 beyond."""
+    if not 0 < soft_punish_cache <= max_completion_len:
+        raise ValueError(f"need 0 < soft_punish_cache <= max_completion_len, got {soft_punish_cache} "
+                         f"and {max_completion_len}")
+    free = max_completion_len - soft_punish_cache
+
+    def soft_overlong_punishment(completions, completion_ids, **kw):
+        return [0.0 if len(ids) <= free else -1.0 if len(ids) > max_completion_len
+                else (free - len(ids)) / soft_punish_cache for ids in completion_ids]
+    return soft_overlong_punishment
+
+
+REWARD_FUNCS = {fn.__name__: fn for fn in (accuracy_reward, reasoning_accuracy_reward, think_format_reward,
+                                           exact_match_reward)}
+
+
+def get_reward_funcs(names):
+    """Names (a list, or one comma-separated string) -> functions. Each name is a built-in or a
+    dotted import path like my_pkg.rewards.fn; a function passes through unchanged."""
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    funcs = []
+    for name in names:
+        if callable(name):
+            funcs.append(name)
+            continue
+        fn = REWARD_FUNCS.get(name)
+        if fn is None and "." in name:
+            module, _, attr = name.rpartition(".")
+            try:
+                fn = getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError) as e:
+                raise ValueError(f"reward function {name!r}: cannot import it ({e})") from e
+        if fn is None:
+            raise ValueError(f"unknown reward function {name!r}: use one of {sorted(REWARD_FUNCS)} "
+                             f"or a dotted import path like my_pkg.rewards.fn")
+        if not callable(fn):
+            raise ValueError(f"reward function {name!r} is a {type(fn).__name__}, not a function")
+        funcs.append(fn)
+    return funcs
+
+
+def compute_rewards(funcs, prompts, completions, **columns):
+    """Call each function once on the batch -> rewards (N, F) float32, NaN where it returned None."""
+    N = len(completions)
+    rewards = torch.full((N, len(funcs)), math.nan)  # (N, F)
+    for f, fn in enumerate(funcs):
+        name = getattr(fn, "__name__", repr(fn))
+        try:
+            values = fn(prompts=prompts, completions=completions, **columns)
+        except Exception as e:
+            raise RuntimeError(f"reward function {name} raised {type(e).__name__}: {e}") from e
+        if not isinstance(values, (list, tuple)) or len(values) != N:
+            got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"{values!r:.80}"
+            raise ValueError(f"reward function {name} must return a list of {N} floats or None "
+                             f"(one per completion), returned {got}")
+        for i, v in enumerate(values):
+            if v is None:
+                continue
+            is_number = isinstance(v, numbers.Real) or (isinstance(v, torch.Tensor) and v.numel() == 1)
+            if not is_number or not math.isfinite(float(v)):
+                raise ValueError(f"reward function {name} returned {v!r:.80} for completion {i} "
+                                 f"({_text(completions[i])!r:.80}): return a finite float, or None for no opinion")
+            rewards[i, f] = float(v)
+    return rewards

@@ -1,0 +1,221 @@
+"""loss.py: hand-computed values, gradients (gradcheck in float64) and input errors."""
+import itertools
+import math
+
+import pytest
+import torch
+
+from loss import LOSS_TYPES, entropy_from_logits, grpo_loss, reduce_loss, selective_log_softmax
+
+f64 = dict(dtype=torch.float64)
+
+
+# ---- selective_log_softmax / entropy_from_logits ------------------------------------------------
+
+def test_selective_log_softmax_by_hand():
+    logits = torch.tensor([[[0.0, math.log(3.0)], [2.0, 2.0]]])  # (1, 2, 2)
+    ids = torch.tensor([[1, 0]])
+    out = selective_log_softmax(logits, ids)
+    assert out.dtype == torch.float32 and out.shape == (1, 2)
+    torch.testing.assert_close(out, torch.tensor([[math.log(0.75), math.log(0.5)]]))
+    # temperature 2 turns logits (0, 2 ln 3) into (0, ln 3)
+    out_t = selective_log_softmax(torch.tensor([[[0.0, 2 * math.log(3.0)]]]), torch.tensor([[1]]), 2.0)
+    torch.testing.assert_close(out_t, torch.tensor([[math.log(0.75)]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selective_log_softmax_matches_full_log_softmax_in_chunks(dtype):
+    torch.manual_seed(0)
+    model_logits = (3 * torch.randn(3, 8, 50)).to(dtype).requires_grad_()
+    logits = model_logits[:, :-1]  # (3, 7, 50), not contiguous, as in a trainer
+    ids = torch.randint(50, (3, 7))
+    full = (logits.float() / 0.7).log_softmax(-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # (3, 7)
+    (grad_full,) = torch.autograd.grad(full.square().sum(), model_logits)
+    for chunk_rows in (None, 1, 4, 7):  # whole sequences, single rows, a ragged last chunk, exact fit
+        out = selective_log_softmax(logits, ids, 0.7, chunk_rows=chunk_rows)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, full, rtol=1e-6, atol=1e-6)
+        (grad,) = torch.autograd.grad(out.square().sum(), model_logits)
+        if dtype == torch.float32:
+            torch.testing.assert_close(grad, grad_full, rtol=1e-5, atol=1e-5)
+        else:  # the gradient is stored in bf16: equal up to one bf16 rounding
+            torch.testing.assert_close(grad.float(), grad_full.float(), rtol=1e-2, atol=1e-3)
+
+
+def test_entropy_by_hand():
+    uniform = torch.zeros(2, 3, 8)
+    torch.testing.assert_close(entropy_from_logits(uniform), torch.full((2, 3), math.log(8)))
+    two = torch.tensor([[[0.0, math.log(3.0)]]])  # p = (1/4, 3/4)
+    expected = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    torch.testing.assert_close(entropy_from_logits(two), torch.tensor([[expected]]))
+    # temperature -> infinity flattens any distribution to uniform
+    torch.testing.assert_close(entropy_from_logits(torch.tensor([[[0.0, 5.0]]]), 1e6), torch.tensor([[math.log(2)]]))
+
+
+def test_chunked_functions_gradcheck_float64():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 5, **f64, requires_grad=True)
+    ids = torch.randint(5, (2, 3))
+    assert torch.autograd.gradcheck(lambda x: selective_log_softmax(x, ids, 0.8, chunk_rows=2), (logits,))
+    assert torch.autograd.gradcheck(lambda x: entropy_from_logits(x, 1.3, chunk_rows=4), (logits,))
+
+
+# ---- reduce_loss ------------------------------------------------------------------------------
+
+PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+MASK = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+
+
+@pytest.mark.parametrize("loss_type, kwargs, expected", [
+    ("grpo", {}, (1.5 + 4.0) / 2),                                   # mean of per-sequence means
+    ("bnpo", {}, 7.0 / 3),                                           # 1+2+4 over 3 tokens
+    ("dr_grpo", {"max_completion_length": 4}, 7.0 / (2 * 4)),        # over B * L
+    ("dapo", {"num_items": 14}, 7.0 / 14),                           # over the generation batch
+])
+def test_reduce_loss_by_hand(loss_type, kwargs, expected):
+    assert reduce_loss(PER_TOKEN, MASK, loss_type, **kwargs).item() == pytest.approx(expected)
+
+
+def test_reduce_loss_empty_sequence_counts_as_zero():
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    assert reduce_loss(PER_TOKEN, mask, "grpo").item() == pytest.approx(1.5 / 2)
+
+
+# ---- grpo_loss: values by hand ----------------------------------------------------------------
+
+def test_on_policy_is_plain_policy_gradient():
+    logps = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], requires_grad=True)
+    adv = torch.tensor([1.0, -2.0])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    loss, metrics = grpo_loss(logps, None, None, adv, mask)
+    assert loss.item() == pytest.approx(-(1.0 + -2.0) / 2)  # ratio is 1: -mean_i A_i
+    assert metrics["ratio_mean"] == 1.0 and metrics["clip_region"] == 0.0 and "kl" not in metrics
+    loss.backward()  # d/dlogp = -A_i / len_i / B
+    torch.testing.assert_close(logps.grad, torch.tensor([[-0.25, -0.25], [1.0, 0.0]]))
+
+
+def test_clipping_by_hand():
+    # ratios 1.5 (A=+1, clipped high), 0.5 (A=-1, clipped low), 1.5 (A=-1, not clipped: pessimistic bound)
+    logps = torch.log(torch.tensor([[1.5], [0.5], [1.5]])).requires_grad_()
+    old = torch.zeros(3, 1)
+    adv = torch.tensor([1.0, -1.0, -1.0])
+    loss, metrics = grpo_loss(logps, old, None, adv, torch.ones(3, 1), loss_type="bnpo")
+    assert loss.item() == pytest.approx((-1.2 + 0.8 + 1.5) / 3)
+    loss.backward()  # clipped tokens get no gradient; d(ratio)/d(logp) = ratio
+    torch.testing.assert_close(logps.grad, torch.tensor([[0.0], [0.0], [1.5 / 3]]))
+    assert metrics["clip_high"] == pytest.approx(1 / 3) and metrics["clip_low"] == pytest.approx(1 / 3)
+    assert metrics["clip_region"] == pytest.approx(2 / 3) and metrics["ratio_mean"] == pytest.approx(3.5 / 3)
+
+
+def test_asymmetric_clip_higher():  # DAPO's clip-higher: eps_high 0.28 lets ratio 1.25 through
+    logps, old, adv = torch.log(torch.tensor([[1.25]])), torch.zeros(1, 1), torch.tensor([1.0])
+    loss, m = grpo_loss(logps, old, None, adv, torch.ones(1, 1), epsilon_high=0.28)
+    assert loss.item() == pytest.approx(-1.25) and m["clip_high"] == 0.0
+    loss, m = grpo_loss(logps, old, None, adv, torch.ones(1, 1))
+    assert loss.item() == pytest.approx(-1.2) and m["clip_high"] == 1.0
+
+
+def test_k3_kl_by_hand():
+    logps = torch.tensor([[-1.0, -1.0]])
+    ref = logps + torch.tensor([[math.log(2.0), 0.0]])  # ref - logp = ln 2 -> kl = 2 - ln 2 - 1; equal -> 0
+    kl = 1 - math.log(2.0)
+    loss, m = grpo_loss(logps, None, ref, torch.tensor([0.0]), torch.ones(1, 2), beta=0.5)
+    assert loss.item() == pytest.approx(0.5 * kl / 2) and m["kl"] == pytest.approx(kl / 2)
+    _, m0 = grpo_loss(logps, None, ref, torch.tensor([0.0]), torch.ones(1, 2), beta=0.0)
+    assert m0["kl"] == pytest.approx(kl / 2)  # logged even when it is not in the loss
+
+
+def test_sequence_level_ratio_is_geometric_mean():
+    logps = torch.zeros(1, 3)
+    old = torch.tensor([[-0.1, -0.3, 9.0]])  # token log-ratios 0.1, 0.3; the third token is padding
+    mask = torch.tensor([[1, 1, 0]])
+    loss, m = grpo_loss(logps, old, None, torch.tensor([1.0]), mask, importance_sampling_level="sequence",
+                        epsilon_high=0.5)
+    assert loss.item() == pytest.approx(-math.exp(0.2)) and m["ratio_mean"] == pytest.approx(math.exp(0.2))
+    loss, m = grpo_loss(logps, old, None, torch.tensor([1.0]), mask, importance_sampling_level="token",
+                        epsilon_high=0.5)
+    assert loss.item() == pytest.approx(-(math.exp(0.1) + math.exp(0.3)) / 2)
+
+
+def test_truncated_importance_sampling_weight():
+    logps = torch.zeros(1, 2, requires_grad=True)
+    old = torch.zeros(1, 2)
+    sampling = torch.tensor([[math.log(2.0), -math.log(4.0)]])  # weights exp(old - sampling) = 0.5 and 4 -> cap 2
+    loss, _ = grpo_loss(logps, old, None, torch.tensor([1.0]), torch.ones(1, 2), sampling_logps=sampling, tis_cap=2.0)
+    assert loss.item() == pytest.approx(-(0.5 + 2.0) / 2)
+    loss.backward()
+    torch.testing.assert_close(logps.grad, torch.tensor([[-0.25, -1.0]]))
+    # on-policy: old_logps=None uses logps itself for the weight
+    loss, _ = grpo_loss(logps, None, None, torch.tensor([1.0]), torch.ones(1, 2), sampling_logps=sampling, tis_cap=2.0)
+    assert loss.item() == pytest.approx(-(0.5 + 2.0) / 2)
+
+
+def test_entropy_bonus():
+    logps = torch.zeros(1, 2)
+    ent = torch.tensor([[1.0, 3.0]], requires_grad=True)
+    loss, m = grpo_loss(logps, None, None, torch.tensor([1.0]), torch.ones(1, 2), entropies=ent, entropy_coef=0.1)
+    assert loss.item() == pytest.approx(-1.0 - 0.1 * 2.0) and m["entropy"] == pytest.approx(2.0)
+    loss.backward()
+    torch.testing.assert_close(ent.grad, torch.tensor([[-0.05, -0.05]]))
+
+
+# ---- grpo_loss: gradients ---------------------------------------------------------------------
+
+def _gradcheck_inputs():
+    torch.manual_seed(0)
+    B, T = 4, 5
+    log_ratio = torch.tensor([[0.5, -0.05, 0.3, -0.6, 0.1], [-0.4, 0.05, 0.4, 0.0, 0.2],
+                              [0.02, -0.5, 0.6, 0.1, -0.1], [0.3, 0.4, -0.1, 0.35, 0.25]], **f64)
+    logps = -torch.rand(B, T, **f64) - 0.1
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 0]])
+    adv = torch.tensor([1.0, -0.7, -1.3, 0.8], **f64)
+    ref = logps + 0.3 * torch.randn(B, T, **f64)
+    return logps, logps - log_ratio, ref, adv, mask, torch.rand(B, T, **f64) + 0.5, log_ratio
+
+
+@pytest.mark.parametrize("loss_type, level, beta", list(itertools.product(LOSS_TYPES, ("token", "sequence"), (0.0, 0.04))))
+def test_grpo_loss_gradcheck(loss_type, level, beta):
+    logps, old, ref, adv, mask, ent, log_ratio = _gradcheck_inputs()
+    # the inputs hold clipped and unclipped tokens, none within 1e-2 of a clip boundary (finite differences)
+    lr = log_ratio if level == "token" else ((log_ratio * mask).sum(-1) / mask.sum(-1)).unsqueeze(-1).expand(-1, 5)
+    for bound in (math.log(0.8), math.log(1.2)):
+        assert (lr - bound).abs().min() > 1e-2
+    kw = dict(loss_type=loss_type, beta=beta, importance_sampling_level=level, num_items=17, max_completion_length=6)
+    _, metrics = grpo_loss(logps, old, ref, adv, mask, **kw)
+    assert 0 < metrics["clip_region"] < 1
+    assert torch.autograd.gradcheck(
+        lambda lp, e: grpo_loss(lp, old, ref, adv, mask, entropies=e, entropy_coef=0.01, **kw)[0],
+        (logps.clone().requires_grad_(), ent.clone().requires_grad_()))
+
+
+def test_gradcheck_tis():
+    # (old_logps=None is not gradcheck-able by design: logps.detach() is constant only to autograd;
+    # test_on_policy_is_plain_policy_gradient checks that gradient by hand.)
+    logps, old, ref, adv, mask, _, _ = _gradcheck_inputs()
+    sampling = old + 0.2 * torch.randn(old.shape, **f64)
+    assert torch.autograd.gradcheck(
+        lambda lp: grpo_loss(lp, old, ref, adv, mask, beta=0.1, sampling_logps=sampling, tis_cap=1.1)[0],
+        (logps.clone().requires_grad_(),))
+
+
+# ---- errors -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(loss_type="ppo"), "loss_type='ppo'"),
+    (dict(importance_sampling_level="tokens"), "importance_sampling_level"),
+    (dict(loss_type="dapo"), "num_items"),
+    (dict(loss_type="dr_grpo"), "max_completion_length"),
+    (dict(beta=0.1), "ref_logps"),
+    (dict(tis_cap=2.0), "sampling_logps"),
+    (dict(entropy_coef=0.1), "entropies"),
+])
+def test_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        grpo_loss(torch.zeros(1, 2), None, None, torch.ones(1), torch.ones(1, 2), **kwargs)
+
+
+def test_reduce_loss_errors():
+    with pytest.raises(ValueError, match="loss_type"):
+        reduce_loss(PER_TOKEN, MASK, "mean")
+    with pytest.raises(ValueError, match="num_items"):
+        reduce_loss(PER_TOKEN, MASK, "dapo")

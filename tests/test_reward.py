@@ -1,0 +1,152 @@
+"""reward.py: built-in rewards on realistic answers, name lookup, and compute_rewards' checks."""
+import math
+
+import pytest
+import torch
+
+from reward import (REWARD_FUNCS, accuracy_reward, compute_rewards, exact_match_reward, get_reward_funcs,
+                    get_soft_overlong_punishment, reasoning_accuracy_reward, think_format_reward)
+
+GSM8K_GOLD = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+              "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")
+
+
+def chat(text):
+    return [{"role": "assistant", "content": text}]
+
+
+ACCURACY_CASES = [  # (completion, gold, expected reward)
+    ("Natalia sold 48/2 = 24 clips in May, so 48 + 24 = 72 in total.\n#### 72", GSM8K_GOLD, 1.0),
+    ("She sold 24 clips in May. The answer is 72.", GSM8K_GOLD, 1.0),
+    ("In May she sold half, 24, so altogether \\boxed{72}.", GSM8K_GOLD, 1.0),
+    ("In May she sold 24, so altogether she sold 48 - 24 = \\boxed{24}.", GSM8K_GOLD, 0.0),
+    ("The answer is 27.", GSM8K_GOLD, 0.0),
+    ("I think the total is 1,234 dollars.", "Step one...\n#### 1234", 1.0),
+    ("\\boxed{1,234}", "#### 1,234", 1.0),
+    ("The total is $1234$.", "#### 1,234", 1.0),
+    ("1,000,000", "#### 1000000", 1.0),
+    ("\\boxed{\\frac{3}{4}}", "0.75", 1.0),
+    ("The probability is 3/4.", "\\frac{3}{4}", 1.0),
+    ("0.75", "3/4", 1.0),
+    ("\\boxed{0.5}", "\\boxed{\\frac{1}{2}}", 1.0),
+    ("\\boxed{\\dfrac{1}{3}}", "1/3", 1.0),
+    ("0.333", "1/3", 0.0),  # a rounded decimal is not the fraction
+    ("\\boxed{\\frac{2}{3}}", "0.75", 0.0),
+    ("It costs 2.50 dollars.", "#### 2.5", 1.0),
+    ("72.0", "72", 1.0),
+    ("The answer is -3.", "#### -3", 1.0),
+    ("The answer is 3.", "#### -3", 0.0),
+    ("\\boxed{15} since 7 + 8 is what we need", "#### 15", 1.0),  # the boxed answer wins
+    ("**Final answer:** 42 apples", "#### 42", 1.0),
+    ("", "#### 42", 0.0),  # empty completion
+    ("I don't know.", "#### 42", 0.0),
+    (chat("Final answer: \\boxed{18}"), "#### 18", 1.0),  # conversational form
+    (chat("Final answer: \\boxed{19}"), "#### 18", 0.0),
+    (chat(""), "#### 18", 0.0),
+    ("The answer is 5.", "there is no number here", None),  # gold does not parse: no opinion
+    ("The answer is 5.", None, None),
+]
+
+
+@pytest.mark.parametrize("completion, gold, expected", ACCURACY_CASES)
+def test_accuracy_reward(completion, gold, expected):
+    assert accuracy_reward([completion], [gold]) == [expected]
+
+
+def test_math_verify_quirk_number_glued_to_tag():  # documented in reward.py, simplification 4
+    assert accuracy_reward(["<think>a</think>72", "<think>a</think> 72"], ["72", "72"]) == [0.0, 1.0]
+    assert reasoning_accuracy_reward(["<think>a</think>72"], ["72"]) == [1.0]
+
+
+def test_accuracy_reward_gsm8k_marker_wins_over_later_text():
+    # without the explicit "####" split math-verify would pick the last number, 5
+    assert accuracy_reward(["10"], ["so 10 in total\n#### 10\nnote: 5 were red"]) == [1.0]
+
+
+def test_reasoning_accuracy_reward():
+    completions = ["<think>maybe 5? no: 48 + 24 = 72</think>The answer is 72.",
+                   "<think>48 + 24 = 72</think>The answer is 5.",  # right number only inside the reasoning
+                   "<think>48 + 24 = 72, so the answer is 72",        # reasoning never closes
+                   chat("<think>half of 48 is 24</think>\\boxed{72}"),
+                   "The answer is 72."]                                # no reasoning block at all
+    assert reasoning_accuracy_reward(completions, [GSM8K_GOLD] * 5) == [1.0, 0.0, 0.0, 1.0, 0.0]
+    assert accuracy_reward(completions[:2], [GSM8K_GOLD] * 2) == [1.0, 0.0]
+    assert reasoning_accuracy_reward(["<think>x</think>72"], ["no gold"]) == [None]
+    assert reasoning_accuracy_reward(["<reasoning>7</reasoning>72"], ["72"], reasoning_delimiters=("</reasoning>",)) == [1.0]
+
+
+def test_think_format_reward():
+    cases = {"<think>48 / 2 = 24</think>The answer is 72.": 1.0,
+             "\n<think>\nstep\n</think>\n\\boxed{72}": 1.0,
+             "<think>no answer after the block</think>": 0.0,
+             "<think>never closed. 72": 0.0,
+             "The answer is 72.": 0.0,
+             "preamble <think>a</think>72": 0.0,
+             "<think>a<think>nested</think>72": 0.0,
+             "<think>a</think>72<think>again</think>": 0.0,
+             "": 0.0}
+    assert think_format_reward(list(cases)) == list(cases.values())
+    assert think_format_reward([chat("<think>a</think>b")]) == [1.0]
+
+
+def test_exact_match_reward():
+    assert exact_match_reward([" 42\n", "42.0", chat("abc"), "x"], [42, "42", "abc ", None]) == [1.0, 0.0, 1.0, None]
+
+
+def test_soft_overlong_punishment_by_hand():
+    fn = get_soft_overlong_punishment(max_completion_len=10, soft_punish_cache=4)  # free up to 6 tokens
+    ids = [[0] * n for n in (0, 6, 7, 8, 10, 11)]
+    assert fn(completions=[""] * 6, completion_ids=ids) == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+    with pytest.raises(ValueError, match="soft_punish_cache"):
+        get_soft_overlong_punishment(10, 0)
+
+
+def test_get_reward_funcs():
+    assert get_reward_funcs(["accuracy_reward", "think_format_reward"]) == [accuracy_reward, think_format_reward]
+    assert get_reward_funcs("exact_match_reward, reward.think_format_reward") == [exact_match_reward, think_format_reward]
+    assert get_reward_funcs([len]) == [len]
+    assert set(REWARD_FUNCS) >= {"accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "exact_match_reward"}
+    with pytest.raises(ValueError, match=r"unknown reward function 'acc'.*accuracy_reward"):
+        get_reward_funcs(["acc"])
+    with pytest.raises(ValueError, match="cannot import"):
+        get_reward_funcs(["no_such_pkg.rewards.fn"])
+    with pytest.raises(ValueError, match="not a function"):
+        get_reward_funcs(["math.pi"])
+
+
+def test_compute_rewards_stacks_functions_with_nan_for_none():
+    completions = ["<think>a</think> 72", "71", chat("\\boxed{72}")]
+    funcs = [accuracy_reward, think_format_reward, get_soft_overlong_punishment(4, 2)]
+    rewards = compute_rewards(funcs, ["q"] * 3, completions, solution=["#### 72", "#### 72", "no gold"],
+                              completion_ids=[[1, 2], [1, 2, 3], [1, 2, 3, 4]])
+    nan = math.nan
+    expected = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, -0.5], [nan, 0.0, -1.0]])
+    assert rewards.dtype == torch.float32
+    torch.testing.assert_close(rewards, expected, equal_nan=True)
+
+
+def _const(values):
+    def bad_reward(completions, **kw):
+        return values
+    return bad_reward
+
+
+@pytest.mark.parametrize("values, match", [
+    ([1.0], r"bad_reward must return a list of 2 .* returned 1 values"),
+    ({"a": 1}, r"bad_reward must return a list of 2 .* returned \{'a': 1\}"),
+    ([1.0, "1.0"], r"bad_reward returned '1.0' for completion 1 \('second'\)"),
+    ([math.inf, 0.0], r"bad_reward returned inf for completion 0 \('first'\)"),
+    ([torch.ones(2), 0.0], r"bad_reward returned tensor.*for completion 0"),
+])
+def test_compute_rewards_errors_name_function_and_value(values, match):
+    with pytest.raises(ValueError, match=match):
+        compute_rewards([_const(values)], ["p", "p"], ["first", "second"])
+
+
+def test_compute_rewards_accepts_numbers_of_any_kind_and_reports_raising_functions():
+    r = compute_rewards([_const([True, torch.tensor(0.5)])], ["p", "p"], ["a", "b"])
+    torch.testing.assert_close(r, torch.tensor([[1.0], [0.5]]))
+    with pytest.raises(RuntimeError, match="reward function accuracy_reward raised TypeError"):
+        compute_rewards([accuracy_reward], ["p"], ["a"])  # the dataset has no solution column
+    with pytest.raises(RuntimeError, match="accuracy_reward raised ValueError.*zip"):
+        compute_rewards([accuracy_reward], ["p", "p"], ["a", "b"], solution=["1"])  # one gold for two completions
