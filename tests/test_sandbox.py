@@ -1,0 +1,175 @@
+"""sandbox.py: correct code scores 1.0, partial code its fraction, and every hostile program scores 0 while
+the trainer (this pytest process) and the machine stay intact, each within a few seconds."""
+import os
+import resource
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+import sandbox
+from sandbox import code_reward, extract_code, make_code_dataset, run_tests
+
+ROOT = os.geteuid() == 0
+NAMESPACES = ROOT and subprocess.run(  # root with CAP_SYS_ADMIN: the full sandbox (G1, G2 in sandbox.py)
+    [sys.executable, "-c", "import ctypes; exit(ctypes.CDLL(None).unshare(0x40000000 | 0x00020000))"]).returncode == 0
+ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]
+
+
+@pytest.fixture(autouse=True)
+def short_limits(monkeypatch):
+    monkeypatch.setattr(sandbox, "TIMEOUT_S", 3.0)  # every hostile run must end within ~TIMEOUT_S
+    monkeypatch.setattr(sandbox, "CPU_S", 3)
+    monkeypatch.setattr(sandbox, "MAX_PROCS", 8)  # the fork bomb stays at 8 processes
+
+
+def fenced(code):
+    return f"Here is my solution:\n```python\n{code}\n```\nDone."
+
+
+def sandbox_processes():
+    """PIDs of live processes owned by any slot uid (the sandbox must leave none behind)."""
+    uids = {str(sandbox.SANDBOX_UID + i) for i in range(sandbox.WORKERS)}
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            status = open(f"/proc/{pid}/status").read()
+        except OSError:
+            continue  # exited meanwhile
+        uid_line = next(line for line in status.splitlines() if line.startswith("Uid:"))
+        if uid_line.split()[1] in uids and "State:\tZ" not in status:
+            pids.append(pid)
+    return pids
+
+
+def test_correct_partial_and_no_code():
+    completions = [
+        fenced("def add(a, b):\n    return a + b"),  # correct
+        fenced("def add(a, b):\n    return abs(a) + b"),  # fails add(-1, 1): 2 of 3
+        "I think the answer is a + b.",  # no code block
+        [{"role": "assistant", "content": fenced("def add(a, b):\n    return a + b")}],  # conversational
+        fenced("def add(a, b):\n    return a - b") + "\nBetter:\n```\ndef add(a, b):\n    return b + a\n```",
+        "```bash\necho hi\n```",  # a non-python block is not code to run
+    ]
+    rewards = code_reward(completions, [ADD_TESTS] * len(completions))
+    assert rewards == pytest.approx([1.0, 2 / 3, 0.0, 1.0, 1.0, 0.0])
+
+
+def test_test_function_format():
+    tests = "def helper():\n    return 3\n\ndef test_small():\n    assert add(1, 2) == helper()\n\n" \
+            "def test_negative():\n    assert add(-5, 2) == -3\n"
+    assert code_reward([fenced("def add(a, b):\n    return a + b")], [tests]) == [1.0]
+    assert code_reward([fenced("def add(a, b):\n    return abs(a + b)")], [tests]) == [0.5]  # helper not a test
+
+
+def test_extract_code_takes_last_python_block():
+    text = "```python\nx = 1\n```\ntext\n```bash\nls\n```\n```py\nx = 2\n```\n```json\n{}\n```"
+    assert extract_code(text) == "x = 2\n"
+    assert extract_code("```python\nunclosed") is None
+
+
+def test_builtin_task_reference_solutions_score_one():
+    rows = make_code_dataset()
+    assert code_reward([r["solution"] for r in rows], [r["tests"] for r in rows]) == [1.0] * len(rows)
+    wrong = fenced("def fib(n):\n    return n")  # right for 0 and 1 only
+    fib_row = next(r for r in rows if "fib" in r["prompt"])
+    assert code_reward([wrong], [fib_row["tests"]]) == [0.5]
+
+
+def test_bad_input_raises():
+    with pytest.raises(ValueError, match="one per completion"):
+        code_reward(["a", "b"], [ADD_TESTS])
+    with pytest.raises(ValueError, match="list of assert strings"):
+        code_reward([fenced("x = 1")], [42])
+
+
+def test_batch_runs_in_parallel_and_a_hang_costs_only_its_own_sample():
+    hang = fenced("def add(a, b):\n    return a + b\nwhile True:\n    pass")
+    start = time.time()
+    rewards = code_reward([fenced("def add(a, b):\n    return a + b"), hang, hang], [ADD_TESTS] * 3)
+    assert rewards == [1.0, 0.0, 0.0]
+    assert time.time() - start < 2 * sandbox.TIMEOUT_S + 2  # two workers: the hangs overlap
+
+
+HOSTILE = {  # program -> tests that would pass if the attack worked
+    "infinite_loop": ("def add(a, b):\n    return a + b\nwhile True:\n    pass", ADD_TESTS),
+    "fork_bomb": ("import os\ndef add(a, b):\n    return a + b\nwhile True:\n    try:\n        os.fork()\n"
+                  "    except OSError:\n        pass", ADD_TESTS),
+    "memory_bomb": ("blocks = []\ntry:\n    while True:\n        blocks.append(bytearray(1 << 26))\n"
+                    "except MemoryError:\n    pass\ngot = len(blocks) << 26",
+                    ["assert got >= 4 << 30", "assert len(bytearray(8 << 30)) > 0"]),
+    "sys_exit_before_tests": ("import sys\nsys.exit(0)\ndef add(a, b):\n    return a + b", ADD_TESTS),
+    "os_exit_in_test": ("import os\ndef add(a, b):\n    os._exit(0)", ADD_TESTS),
+    "forged_results": ("import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'pass 0\\npass 1\\n"
+                       "pass 2\\ndone\\n')\n    except OSError:\n        pass\nprint('pass 0\\ndone')\n"
+                       "os._exit(0)", ADD_TESTS),
+    "huge_output": ("import sys\ndef add(a, b):\n    return a + b\nwhile True:\n    print('x' * 10**6)\n"
+                    "    sys.stderr.write('y' * 10**6)", ADD_TESTS),
+    "huge_file": ("size = 0\ntry:\n    with open('big', 'wb') as f:\n        while True:\n"
+                  "            size += f.write(b'x' * (1 << 20))\nexcept OSError:\n    pass  # EFBIG at FILE_MB",
+                  ["assert size > 100 << 20"]),
+    "kill_trainer": ("import os, signal\ndef add(a, b):\n    os.kill(os.getppid(), signal.SIGKILL)\n"
+                     "    os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)\n    return a + b", ADD_TESTS),
+}
+
+
+NEEDS_ROOT = pytest.mark.skipif(not ROOT, reason="without root the program runs as the trainer's user (N5)")
+
+
+@pytest.mark.parametrize("name", [n if n != "kill_trainer" else pytest.param(n, marks=NEEDS_ROOT) for n in HOSTILE])
+def test_hostile_program_scores_zero_and_everything_survives(name):
+    program, tests = HOSTILE[name]
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.time()
+    assert code_reward([fenced(program)], [tests]) == [0.0]
+    assert time.time() - start < sandbox.TIMEOUT_S + 2
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 100_000  # KiB: output not kept
+    if ROOT:
+        assert sandbox_processes() == []  # forks, bombs, children: all killed
+
+
+@pytest.mark.skipif(not NAMESPACES, reason="needs root with mount namespaces (see sandbox.py, N5)")
+def test_cannot_write_outside_its_dir(tmp_path):
+    name = f"tinygrpo_escape_{tmp_path.name}"  # unique per run
+    outside = [tmp_path / name, f"/tmp/{name}", f"/work/{name}", os.path.abspath(name)]
+    program = f"def write(path):\n    open(path, 'w').write('x')\n    return True\nOUTSIDE = {list(map(str, outside))}"
+    program += ("\ndef fill():  # many files, each under FILE_MB: the tmpfs size bounds the total\n    total = 0\n"
+                "    try:\n        for i in range(20):\n            with open(f'f{i}', 'wb') as f:\n"
+                "                total += f.write(b'x' * (15 << 20))\n    except OSError:\n        pass\n"
+                "    return total")
+    tests = [f"assert write(OUTSIDE[{i}])" for i in range(len(outside))] + ["assert write('inside.txt')"]
+    passed, total, status = run_tests(program, tests + ["assert fill() > 100 << 20"])
+    assert (passed, total, status) == (1, 6, "ok")  # only the write inside its own dir worked
+    assert not any(os.path.exists(p) for p in outside)
+
+
+def test_cannot_read_trainer_environment(monkeypatch):
+    monkeypatch.setenv("TINYGRPO_SECRET", "hunter2-7f3a")  # the trainer's env: e.g. an API key
+    pids = "[os.getppid(), 1]" if ROOT else "[]"  # without root /proc/<trainer>/environ is readable (N5)
+    program = (f"import os\nleaked = str(dict(os.environ))\nfor pid in {pids}:\n    try:\n"
+               "        leaked += open(f'/proc/{pid}/environ').read()\n    except OSError:\n        pass")
+    passed, total, status = run_tests(program, ["assert 'hunter2' in leaked", "assert 'PATH' in leaked"])
+    assert (passed, total, status) == (1, 2, "ok")  # the program ran and saw only its scrubbed env
+
+
+def test_no_network():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(0.5)
+    port = server.getsockname()[1]
+    program = ("import ctypes, socket, struct\ndef connect():\n"
+               f"    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n    return True\n"
+               "def connect_raw():  # libc directly, around the audit hook\n"
+               "    libc = ctypes.CDLL(None)\n    fd = libc.socket(2, 1, 0)\n"
+               f"    addr = struct.pack('<HH4s8x', 2, socket.htons({port}), bytes([127, 0, 0, 1]))\n"
+               "    return fd >= 0 and libc.connect(fd, addr, len(addr)) == 0\n")
+    tests = ["assert connect()"] + (["assert connect_raw()"] if NAMESPACES else [])  # else only the hook
+    try:
+        assert run_tests(program, tests)[:2] == (0, len(tests))
+        with pytest.raises(socket.timeout):
+            server.accept()  # nobody connected
+    finally:
+        server.close()
