@@ -13,10 +13,15 @@ Built-ins (REWARD_FUNCS, picked by name on the command line):
     reasoning_accuracy_reward  the same on the text after the reasoning block; 0 if it never closes
     think_format_reward        1 if the completion is "<think>...</think>answer", else 0
     exact_match_reward         1 if the stripped completion equals the stripped gold (the synthetic task)
+    code_reward                fraction of the sample's unit tests (column `tests`) that its last ```python
+                               block passes, run in a sandbox (sandbox.py)
 and the factory get_soft_overlong_punishment(L_max, L_cache), DAPO (arXiv 2503.14476) eq. 13:
     R(y) = 0 if |y| <= L_max - L_cache;  (L_max - L_cache - |y|) / L_cache if |y| <= L_max;  -1 beyond.
 
-Run the tests: python -m pytest -q tests/test_reward.py
+A learned reward model is a reward function too: get_reward_model_func(path) scores prompt + completion
+with an AutoModelForSequenceClassification of one label (its logit is the reward).
+
+Run the tests: python -m pytest -q tests/test_reward.py tests/test_data.py
 
 Simplifications:
 1. A conversation is scored by the content of its last message.
@@ -25,15 +30,20 @@ Simplifications:
 3. math-verify's timeouts use SIGALRM: call these rewards from the main thread.
 4. math-verify extracts no number glued to ">" ("</think>72" reads like "x>72"): for thinking models
    use reasoning_accuracy_reward, which scores only the text after "</think>".
+5. A reward model sees the dataset's prompt (the question, as in TRL), not the policy's rendered text,
+   and scores are not truncated: prompt + completion must fit its context.
 """
 import functools
 import importlib
 import math
 import numbers
+import os
 import re
 
 import torch
 from math_verify import parse, verify
+
+from sandbox import code_reward
 
 
 def _text(completion):
@@ -121,12 +131,50 @@ def get_soft_overlong_punishment(max_completion_len, soft_punish_cache):
 
 
 REWARD_FUNCS = {fn.__name__: fn for fn in (accuracy_reward, reasoning_accuracy_reward, think_format_reward,
-                                           exact_match_reward)}
+                                           exact_match_reward, code_reward)}
+
+
+def get_reward_model_func(path, *, batch_size=16, device=None):
+    """A sequence-classification model with one label (hub id or local folder) -> a reward function
+    that scores prompt + completion: through the model's chat template when its tokenizer has one (the
+    prompt as user turn, the completion as assistant turn), else their plain concatenation."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path).to(device).eval().requires_grad_(False)
+    if model.config.num_labels != 1:
+        raise ValueError(f"reward model {path!r} has {model.config.num_labels} labels; a reward model needs 1")
+    if tokenizer.pad_token is None:  # batching needs one; HF pools the last non-pad token (modeling_layers.py)
+        tokenizer.pad_token = tokenizer.eos_token
+    model.config.pad_token_id = tokenizer.pad_token_id
+    tokenizer.padding_side = "right"  # real tokens keep positions 0..L-1, for absolute position embeddings too
+
+    def render(prompt, completion):
+        if not tokenizer.chat_template:
+            return _text(prompt) + _text(completion)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        messages = messages + [{"role": "assistant", "content": _text(completion)}]
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+
+    @torch.no_grad()
+    def reward_model(completions, prompts, **kw):
+        texts = [render(p, c) for p, c in zip(prompts, completions, strict=True)]
+        scores = []
+        for i in range(0, len(texts), batch_size):
+            # a rendered template holds its own BOS: add no second one (see task.encode_prompts)
+            batch = tokenizer(texts[i:i + batch_size], padding=True, return_tensors="pt",
+                              add_special_tokens=not tokenizer.chat_template).to(device)
+            scores += model(**batch).logits[:, 0].float().tolist()  # (b,)
+        return scores
+    reward_model.__name__ = f"reward_model_{os.path.basename(os.path.normpath(path))}"
+    return reward_model
 
 
 def get_reward_funcs(names):
-    """Names (a list, or one comma-separated string) -> functions. Each name is a built-in or a
-    dotted import path like my_pkg.rewards.fn; a function passes through unchanged."""
+    """Names (a list, or one comma-separated string) -> functions. Each name is, checked in this order:
+    a built-in; an existing local folder, or any name with a "/" (a hub id like org/name): a reward
+    model; a dotted import path like my_pkg.rewards.fn. A function passes through unchanged."""
     if isinstance(names, str):
         names = [n.strip() for n in names.split(",") if n.strip()]
     funcs = []
@@ -135,15 +183,21 @@ def get_reward_funcs(names):
             funcs.append(name)
             continue
         fn = REWARD_FUNCS.get(name)
-        if fn is None and "." in name:
+        if fn is None and (os.path.isdir(name) or "/" in name):
+            try:
+                fn = get_reward_model_func(name)
+            except OSError as e:  # transformers: not a local model folder, and not found on the hub
+                raise ValueError(f"reward model {name!r}: cannot load it as a sequence-classification model "
+                                 f"from a local folder or the hub ({e})") from e
+        elif fn is None and "." in name:
             module, _, attr = name.rpartition(".")
             try:
                 fn = getattr(importlib.import_module(module), attr)
             except (ImportError, AttributeError) as e:
                 raise ValueError(f"reward function {name!r}: cannot import it ({e})") from e
         if fn is None:
-            raise ValueError(f"unknown reward function {name!r}: use one of {sorted(REWARD_FUNCS)} "
-                             f"or a dotted import path like my_pkg.rewards.fn")
+            raise ValueError(f"unknown reward function {name!r}: use one of {sorted(REWARD_FUNCS)}, a dotted "
+                             f"import path like my_pkg.rewards.fn, or a reward model folder or hub id (org/name)")
         if not callable(fn):
             raise ValueError(f"reward function {name!r} is a {type(fn).__name__}, not a function")
         funcs.append(fn)

@@ -5,7 +5,11 @@ Task "max of digits": the prompt is K random digits and '>' (e.g. `739>`), the a
 digit (`9`) followed by EOS. The reward is checkable by a rule, the prompt space is small enough for a
 0.3M-parameter model to learn from scratch on a CPU in about a minute, and a random policy scores ~1/10.
 
+Real datasets (GSM8K and the like): load_prompt_dataset -> rows {"prompt", "solution", other columns},
+render_prompts -> the texts the policy sees (chat template + R1 system prompt), encode_prompts -> ids.
+
     python task.py          # prints a few prompts, the tokenizer round trip and the model size
+    python -m pytest -q tests/test_data.py
 
 Simplifications:
 1. Answers are drawn evenly from 0-9 and digits are then drawn below the answer. Drawing digits uniformly
@@ -13,8 +17,17 @@ Simplifications:
 2. Train and held-out prompts are disjoint strings, except for answers 0 and 1, which have only 1 and
    7 possible prompts (for K=3): those strings appear in both splits.
 3. A character-level tokenizer (one token per character, EOS doubles as padding) built in memory with
-   `tokenizers`, saved like any HF tokenizer so vLLM and `AutoTokenizer` load it from the model folder.
+   `tokenizers` as a byte-level BPE with no merges, saved like any HF tokenizer so vLLM and `AutoTokenizer`
+   load it from the model folder and tokenize exactly as the built one does.
+   `build_tokenizer(TEXT_CHARS, CHAT_TEMPLATE)` is its chat variant for tests of real-data runs: printable
+   ASCII, ChatML (Qwen2.5's format) with <|im_start|>/<|im_end|> as single tokens, <|im_end|> as EOS.
+4. A local file loads as datasets' single split "train" (slices like "train[:100]" work); hold out a
+   test set as its own file.
+5. Rows keep the dataset's prompt (the question), not the rendered text: rewards, including reward
+   models with their own chat template, see the question as the dataset wrote it (as in TRL).
 """
+import glob
+import os
 import random
 
 import torch
@@ -22,16 +35,32 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 CHARS = list("0123456789>+-=*/ ")  # everything the built-in task can print; extend for a new task
+TEXT_CHARS = [chr(i) for i in range(32, 127)] + ["\n"]  # printable ASCII and newline: word problems
 EOS, UNK = "<eos>", "<unk>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+CHAT_TEMPLATE = (  # ChatML, the format of Qwen2.5-Instruct, without tool calls
+    "{% for m in messages %}" + IM_START + "{{ m['role'] }}\n{{ m['content'] }}" + IM_END + "\n{% endfor %}"
+    "{% if add_generation_prompt %}" + IM_START + "assistant\n{% endif %}")
 
 
-def build_tokenizer():
-    """One token per character; id 0 is EOS (also used as pad), id 1 UNK."""
-    vocab = {tok: i for i, tok in enumerate([EOS, UNK] + CHARS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")  # every char its own token
-    tok.decoder = decoders.Fuse()  # join tokens back without spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, unk_token=UNK)
+def build_tokenizer(chars=CHARS, chat_template=None):
+    """One token per character; id 0 is EOS (also used as pad), id 1 UNK. With a chat template,
+    <|im_start|> and <|im_end|> are single tokens (ids 2, 3) and <|im_end|> is EOS (the end of the
+    assistant's turn ends a completion, as in Qwen2.5-Instruct); id 0 stays the pad.
+    Stored as a byte-level BPE with no merges, i.e. Qwen2's format: transformers 5 reloads a folder whose
+    config says qwen2 as a Qwen2Tokenizer (tokenization_auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS),
+    which imposes byte-level pre-tokenization; any other vocabulary loses spaces and newlines on reload."""
+    if any(not " " <= c <= "~" and c != "\n" for c in chars):
+        raise ValueError("build_tokenizer takes printable ASCII characters and newline only")
+    byte_char = lambda c: c if c > " " else chr(256 + ord(c))  # noqa: E731  GPT-2's byte alphabet: " " -> "Ġ"
+    specials = [EOS, UNK] + ([IM_START, IM_END] if chat_template else [])
+    vocab = {tok: i for i, tok in enumerate(specials + [byte_char(c) for c in chars])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))  # no merges: one token per byte
+    tok.add_special_tokens(specials)  # matched whole, never split into characters
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END if chat_template else EOS, pad_token=EOS,
+                                   unk_token=UNK, chat_template=chat_template)
 
 
 def build_tiny_model(tokenizer, seed=0, hidden_size=128, num_layers=2, num_heads=4, max_len=64):
@@ -79,6 +108,98 @@ def digit_format_reward(completions, **kw):
     (Texts are decoded up to EOS, and max_new_tokens is 2, so a 1-character digit text means EOS came.)"""
     texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
     return [1.0 if len(t) == 1 and t.isdigit() else 0.0 for t in texts]
+
+
+# -----------------------------------------------------------------------------
+# Real datasets: load, render through the chat template, encode
+
+# DeepSeek-R1 (arXiv 2501.12948) Table 1, without its <answer> tags: think_format_reward wants
+# "<think>...</think>answer", and reasoning_accuracy_reward reads the answer after "</think>".
+DEFAULT_SYSTEM_PROMPT = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
+    "The Assistant first thinks about the reasoning process in the mind and then provides the user with the "
+    "answer. The reasoning process is enclosed within <think> </think> tags and followed by the final answer, "
+    "i.e., <think> reasoning process here </think> final answer here")
+_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids")  # keywords every reward function already gets
+
+
+def load_prompt_dataset(name_or_path, *, config=None, split="train", prompt_column="prompt",
+                        solution_column="solution"):
+    """A hub dataset id (with config and split), a local dataset folder, or local .json/.jsonl/.csv/
+    .parquet file(s) (a path, a glob, or a list of them) -> list of row dicts with the prompt column
+    renamed "prompt" and the solution column "solution" (None: the dataset has no golds); every other
+    column is kept and reaches the reward functions as a keyword argument.
+    GSM8K: load_prompt_dataset("openai/gsm8k", config="main", prompt_column="question", solution_column="answer")"""
+    import datasets
+
+    paths = [name_or_path] if isinstance(name_or_path, (str, os.PathLike)) else list(name_or_path)
+    paths = [os.fspath(p) for p in paths]
+    exts = {os.path.splitext(p)[1].lower() for p in paths}
+    if exts <= set(_LOADERS):  # local files
+        missing = [p for p in paths if not glob.glob(p)]
+        if missing:
+            raise FileNotFoundError(f"dataset file not found: {', '.join(missing)}")
+        if len({_LOADERS[e] for e in exts}) > 1:
+            raise ValueError(f"dataset files mix formats {sorted(exts)}: use one of json/jsonl, csv, parquet")
+        try:  # datasets raises StopIteration on an empty .jsonl, ValueError on "[]" or an unknown split
+            ds = datasets.load_dataset(_LOADERS[exts.pop()], data_files=paths, split=split)
+        except (StopIteration, ValueError) as e:
+            raise ValueError(f"cannot load split {split!r} of {name_or_path!r}: {str(e) or 'no rows'} (local files are "
+                             f"one split, 'train', and slices like 'train[:100]' work; empty files have no rows)") from e
+    elif len(paths) == 1 and not os.path.isfile(paths[0]):  # hub id or local dataset folder
+        ds = datasets.load_dataset(paths[0], config, split=split)
+    else:
+        raise ValueError(f"cannot load dataset {name_or_path!r}: give a hub id, a dataset folder or files ending "
+                         f"in {', '.join(_LOADERS)}")
+    where = f"dataset {name_or_path!r} (split {split!r})"
+    if len(ds) == 0:
+        raise ValueError(f"{where} is empty")
+    renames = {prompt_column: "prompt"} | ({solution_column: "solution"} if solution_column else {})
+    for column, role in renames.items():
+        if column not in ds.column_names:
+            hint = "" if role == "prompt" else "; pass solution_column=None if it has no gold answers"
+            raise ValueError(f"{where} has no {role} column {column!r}; its columns are {ds.column_names}{hint}")
+    for column in set(ds.column_names) - set(renames):
+        if column in set(renames.values()) or column in RESERVED_COLUMNS:
+            raise ValueError(f"{where}: column {column!r} would clash with the {column!r} keyword that reward "
+                             f"functions get; drop or rename it (or map it with prompt_column/solution_column)")
+    return [{renames.get(k, k): v for k, v in row.items()} for row in ds]
+
+
+def gsm8k_gold(answer):
+    """The final number of a GSM8K answer: "...so she has 72 left.\n#### 72" -> "72" (commas dropped)."""
+    if "####" not in answer:
+        raise ValueError(f"not a GSM8K answer (no '####' marker): {answer!r:.80}")
+    return answer.split("####")[-1].strip().split("\n")[0].replace(",", "")
+
+
+def render_prompts(tokenizer, questions, system_prompt=DEFAULT_SYSTEM_PROMPT):
+    """Questions (strings, or conversations as lists of {"role", "content"}) -> (prompt_texts, conversational).
+    With a chat template: system + user messages, rendered with the generation prompt, conversational=True.
+    Without one: plain text, "{system_prompt}\n\nUser: {question}\nAssistant:" in the R1-Zero style (only the
+    question when system_prompt is None or empty), conversational=False."""
+    if getattr(tokenizer, "chat_template", None):
+        system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        texts = []
+        for q in questions:
+            messages = [{"role": "user", "content": q}] if isinstance(q, str) else list(q)
+            if messages[0]["role"] != "system":  # a conversation that brings its own system prompt keeps it
+                messages = system + messages
+            texts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+        return texts, True
+    if any(not isinstance(q, str) for q in questions):
+        raise ValueError("the dataset's prompts are conversations but the tokenizer has no chat template: "
+                         "use a chat model, or a dataset whose prompts are strings")
+    return [f"{system_prompt}\n\nUser: {q}\nAssistant:" if system_prompt else q for q in questions], False
+
+
+def encode_prompts(tokenizer, prompt_texts, conversational):
+    """Rendered prompts -> lists of token ids. A chat template already writes BOS where its model wants
+    one (Llama 3's <|begin_of_text|>), so its text is encoded with add_special_tokens=False, or BOS comes
+    twice (open-r1 PR 462); plain text keeps the tokenizer's own BOS (TRL issue 3520: dropping it garbles
+    Gemma's output)."""
+    return [tokenizer(t, add_special_tokens=not conversational)["input_ids"] for t in prompt_texts]
 
 
 if __name__ == "__main__":

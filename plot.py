@@ -1,0 +1,45 @@
+"""
+Plot a run's metrics.jsonl: reward, held-out accuracy, KL and completion length against step.
+
+    python plot.py out            # writes out/metrics.png (train.py also does this at the end of a run)
+
+matplotlib is an optional dependency: train.py skips the plot, with a note, when it is missing.
+"""
+import json
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def plot_metrics(metrics_path, png_path=None):
+    records = [json.loads(line) for line in open(metrics_path)]
+    png_path = png_path or os.path.join(os.path.dirname(metrics_path), "metrics.png")
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.5))
+    panels = [("reward", ["reward_mean"]), ("held-out accuracy", ["eval_greedy", "eval_sampled"]),
+              ("KL to reference", ["kl"]), ("completion length (tokens)", ["len_mean"])]
+    for ax, (title, keys) in zip(axes, panels):
+        for key in keys:
+            points = [(r["step"], r[key]) for r in records if key in r]
+            if points:
+                ax.plot(*zip(*points), marker="o" if key.startswith("eval") else None, label=key)
+        if not ax.lines:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if len(keys) > 1 and ax.lines:
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return png_path
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python plot.py OUT_DIR  (the folder that holds metrics.jsonl)")
+    print(plot_metrics(os.path.join(sys.argv[1], "metrics.jsonl")))

@@ -1,0 +1,32 @@
+"""Run train.py as a user would (a subprocess, 1 process or torchrun) and read what it leaves."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_train(args, out_dir, nproc=1, timeout=300, env=None, check=True):
+    """-> (returncode, combined output, metrics records). Fails the test with the output on a non-zero exit
+    when check=True."""
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    f"--nproc_per_node={nproc}"]
+    cmd = launcher + [os.path.join(ROOT, "train.py"), "--out-dir", str(out_dir), *map(str, args)]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "tests"), **(env or {})}
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    output = proc.stdout + proc.stderr
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train.py failed ({proc.returncode}):\n{output[-4000:]}")
+    return proc.returncode, output, read_metrics(out_dir)
+
+
+def read_metrics(out_dir):
+    path = os.path.join(out_dir, "metrics.jsonl")
+    return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+
+
+def without_timings(records):
+    """Metrics minus the wall-clock fields, which differ from run to run."""
+    return [{k: v for k, v in r.items() if not k.startswith("time_") and k not in ("tokens_per_s", "elapsed")}
+            for r in records]

@@ -1,0 +1,286 @@
+"""Real-data path on CPU, no hub: GSM8K-format fixtures written here -> load_prompt_dataset -> R1 rewards;
+chat-template rendering through a tiny character tokenizer; a tiny reward model built from a config.
+
+    python -m pytest -q tests/test_data.py
+"""
+import json
+
+import datasets
+import pytest
+import torch
+from tokenizers import processors
+from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+import task
+from reward import (accuracy_reward, compute_rewards, get_reward_funcs, get_reward_model_func,
+                    reasoning_accuracy_reward, think_format_reward)
+
+# Made-up word problems in GSM8K's format: worked answer with <<calculator>> notes, gold after "####".
+GSM8K_FIXTURES = [
+    dict(question="Mia has 3 boxes with 4 pencils in each box. She gives away 5 pencils. How many pencils "
+                  "does she have left?",
+         answer="Mia has 3*4 = <<3*4=12>>12 pencils.\nAfter giving 5 away she has 12-5 = <<12-5=7>>7.\n#### 7",
+         level=1),
+    dict(question="A baker makes 24 muffins. He sells half of them in the morning and 4 more in the afternoon. "
+                  "How many muffins are left?",
+         answer="He sells 24/2 = <<24/2=12>>12 in the morning.\n12-4 = <<12-4=8>>8 are left.\n#### 8", level=2),
+    dict(question="Tom reads 15 pages a day for 6 days. How many pages does he read?",
+         answer="Tom reads 15*6 = <<15*6=90>>90 pages.\n#### 90", level=1),
+    dict(question="A train ticket costs $12 and a bus ticket costs $3 less. How much do 2 train tickets and "
+                  "1 bus ticket cost together?",
+         answer="A bus ticket costs 12-3 = <<12-3=9>>9 dollars.\n2*12+9 = <<2*12+9=33>>33 dollars.\n#### 33",
+         level=2),
+    dict(question="A farm has 1,200 chickens and buys 34 more. How many chickens does it have now?",
+         answer="1200+34 = <<1200+34=1234>>1234 chickens.\n#### 1,234", level=1),
+]
+GOLDS = ["7", "8", "90", "33", "1234"]
+
+
+def write_gsm8k_jsonl(path):
+    """The fixtures as a GSM8K-style jsonl file (columns question, answer, level); returns the path."""
+    with open(path, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in GSM8K_FIXTURES)
+    return str(path)
+
+
+def chat_tokenizer(bos=False):
+    """The tiny chat tokenizer; bos=True adds a BOS that both the template and the tokenizer write (Llama 3)."""
+    if not bos:
+        return task.build_tokenizer(task.TEXT_CHARS, task.CHAT_TEMPLATE)
+    tok = task.build_tokenizer(task.TEXT_CHARS, "{{ bos_token }}" + task.CHAT_TEMPLATE)
+    tok.add_special_tokens({"bos_token": "<s>"})
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.bos_token_id)])
+    return tok
+
+
+def load_fixtures(path, **kw):
+    return task.load_prompt_dataset(path, prompt_column="question", solution_column="answer", **kw)
+
+
+# -----------------------------------------------------------------------------
+# Loading and column mapping
+
+def write_as(fmt, directory):
+    ds = datasets.Dataset.from_list(GSM8K_FIXTURES)
+    path = directory / f"gsm8k.{fmt}"
+    if fmt == "jsonl":
+        write_gsm8k_jsonl(path)
+    elif fmt == "json":  # one JSON array, not lines
+        path.write_text(json.dumps(GSM8K_FIXTURES))
+    elif fmt == "csv":
+        ds.to_csv(str(path), index=False)
+    else:
+        ds.to_parquet(str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "csv", "parquet"])
+def test_load_maps_columns_and_keeps_the_others(fmt, tmp_path):
+    rows = load_fixtures(write_as(fmt, tmp_path))
+    assert [set(r) for r in rows] == [{"prompt", "solution", "level"}] * len(GSM8K_FIXTURES)
+    assert [r["prompt"] for r in rows] == [f["question"] for f in GSM8K_FIXTURES]
+    assert [r["solution"] for r in rows] == [f["answer"] for f in GSM8K_FIXTURES]
+    assert [r["level"] for r in rows] == [1, 2, 1, 2, 1]
+
+
+def test_load_several_files_by_glob_or_list_and_slices(tmp_path):
+    (tmp_path / "a").mkdir()
+    for i in range(2):
+        (tmp_path / "a" / f"part{i}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in GSM8K_FIXTURES[i::2]))
+    by_glob = load_fixtures(str(tmp_path / "a" / "*.jsonl"))
+    by_list = load_fixtures([tmp_path / "a" / "part0.jsonl", tmp_path / "a" / "part1.jsonl"])
+    assert sorted(r["prompt"] for r in by_glob) == sorted(f["question"] for f in GSM8K_FIXTURES)
+    assert by_glob == by_list
+    assert len(load_fixtures(write_gsm8k_jsonl(tmp_path / "g.jsonl"), split="train[:2]")) == 2
+
+
+def test_load_without_golds(tmp_path):
+    rows = task.load_prompt_dataset(write_gsm8k_jsonl(tmp_path / "g.jsonl"), prompt_column="question",
+                                    solution_column=None)
+    assert set(rows[0]) == {"prompt", "answer", "level"}
+
+
+def test_load_errors_say_what_to_change(tmp_path):
+    path = write_gsm8k_jsonl(tmp_path / "g.jsonl")
+    with pytest.raises(ValueError, match=r"no prompt column 'prompt'; its columns are \['question', 'answer', 'level'\]"):
+        task.load_prompt_dataset(path)
+    with pytest.raises(ValueError, match="no solution column 'solution'.*solution_column=None"):
+        task.load_prompt_dataset(path, prompt_column="question")
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        task.load_prompt_dataset(str(tmp_path / "missing.jsonl"))
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match="no rows"):
+        task.load_prompt_dataset(str(tmp_path / "empty.jsonl"))
+    (tmp_path / "empty.json").write_text("[]")
+    with pytest.raises(ValueError, match="empty files have no rows"):
+        task.load_prompt_dataset(str(tmp_path / "empty.json"))
+    with pytest.raises(ValueError, match="Unknown split.*one split, 'train'"):
+        load_fixtures(path, split="test")
+    (tmp_path / "g.txt").write_text("hello")
+    with pytest.raises(ValueError, match="files ending in .json, .jsonl, .csv, .parquet"):
+        task.load_prompt_dataset(str(tmp_path / "g.txt"))
+    clash = tmp_path / "clash.jsonl"  # a column that reward functions already get as a keyword
+    clash.write_text(json.dumps({"question": "q", "answer": "#### 1", "completions": "x"}) + "\n")
+    with pytest.raises(ValueError, match="column 'completions' would clash"):
+        load_fixtures(str(clash))
+    clash.write_text(json.dumps({"question": "q", "answer": "#### 1", "prompt": "p"}) + "\n")
+    with pytest.raises(ValueError, match="column 'prompt' would clash"):
+        load_fixtures(str(clash))
+
+
+def test_gsm8k_gold(tmp_path):
+    rows = load_fixtures(write_gsm8k_jsonl(tmp_path / "g.jsonl"))
+    assert [task.gsm8k_gold(r["solution"]) for r in rows] == GOLDS
+    # the reward's own gold parsing agrees with gsm8k_gold: the bare gold scores 1, the number before "####" 0
+    assert accuracy_reward([f"\\boxed{{{g}}}" for g in GOLDS], [r["solution"] for r in rows]) == [1.0] * 5
+    assert accuracy_reward(["12", "12", "90", "9", "1200"], [r["solution"] for r in rows]) == [0, 0, 1, 0, 0]
+    with pytest.raises(ValueError, match="no '####' marker"):
+        task.gsm8k_gold("The answer is 7.")
+
+
+# -----------------------------------------------------------------------------
+# The R1 reward pair on the fixtures: format 0.1 + correctness 1.0 in the seed's recipe
+
+@pytest.mark.parametrize("conversational", [False, True])
+def test_r1_rewards_on_good_badly_formatted_and_wrong_completions(conversational, tmp_path):
+    rows = load_fixtures(write_gsm8k_jsonl(tmp_path / "g.jsonl"))[:2]  # golds 7 and 8
+    completions = [
+        "<think>3*4 = 12 pencils, 12 - 5 = 7.</think>\nThe answer is 7.",  # good
+        "<think>Half of 24 is 12, 12 - 4 = 8.</think> 8",  # good, answer right after the tag
+        "3*4 = 12, 12 - 5 = 7. The answer is 7.",  # right answer, no think block
+        "<think>Half of 24 is 12, and 12 - 4 = 8",  # reasoning never closes
+        "<think>3*4 = 12, 12 - 5 = 7.</think>\nThe answer is 12.",  # well formatted, wrong
+        "<think>24 - 4 = 20</think>\n<think>again</think> 20",  # two think blocks, wrong
+    ]
+    solutions = [rows[i % 2]["solution"] for i in range(len(completions))]
+    if conversational:
+        completions = [[{"role": "assistant", "content": c}] for c in completions]
+    funcs = [think_format_reward, reasoning_accuracy_reward, accuracy_reward]
+    rewards = compute_rewards(funcs, [rows[i % 2]["prompt"] for i in range(6)], completions,
+                              solution=solutions, level=[rows[i % 2]["level"] for i in range(6)])  # (6, 3)
+    assert rewards.tolist() == [[1, 1, 1], [1, 1, 1], [0, 0, 1], [0, 0, 1], [1, 0, 0], [0, 0, 0]]
+    weighted = rewards[:, :2] @ torch.tensor([0.1, 1.0])  # (6,) the seed's weights
+    assert torch.allclose(weighted, torch.tensor([1.1, 1.1, 0, 0, 0.1, 0]))
+
+
+# -----------------------------------------------------------------------------
+# Prompt rendering
+
+def test_render_through_the_chat_template():
+    tok = chat_tokenizer()
+    questions = [f["question"] for f in GSM8K_FIXTURES]
+    texts, conversational = task.render_prompts(tok, questions)
+    assert conversational
+    assert texts[0] == (f"<|im_start|>system\n{task.DEFAULT_SYSTEM_PROMPT}<|im_end|>\n"
+                        f"<|im_start|>user\n{questions[0]}<|im_end|>\n<|im_start|>assistant\n")
+    ids = task.encode_prompts(tok, texts, conversational)
+    assert [tok.decode(x) for x in ids] == texts
+    im_start = tok.convert_tokens_to_ids("<|im_start|>")
+    assert ids[0][0] == im_start and ids[0].count(im_start) == 3  # one token each, not 12 characters
+    assert tok.eos_token == "<|im_end|>" and tok.unk_token_id not in sum(ids, [])  # every character known
+    assert task.render_prompts(tok, ["Q?"], system_prompt="Be brief.")[0] == [
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\n"]
+    assert task.render_prompts(tok, ["Q?"], system_prompt=None)[0] == [
+        "<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\n"]
+    own_system = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q?"}]  # kept, not doubled
+    assert task.render_prompts(tok, [own_system])[0][0].count("<|im_start|>system\nS<|im_end|>") == 1
+
+
+def test_render_plain_text_without_a_chat_template():
+    tok = task.build_tokenizer(task.TEXT_CHARS)
+    texts, conversational = task.render_prompts(tok, ["What is 2+3?"])
+    assert not conversational
+    assert texts == [f"{task.DEFAULT_SYSTEM_PROMPT}\n\nUser: What is 2+3?\nAssistant:"]
+    assert task.render_prompts(tok, ["What is 2+3?"], system_prompt="")[0] == ["What is 2+3?"]
+    with pytest.raises(ValueError, match="no chat template"):
+        task.render_prompts(tok, [[{"role": "user", "content": "Q?"}]])
+
+
+def test_encode_prompts_writes_bos_once():
+    tok = chat_tokenizer(bos=True)  # the template writes <s> and so does the tokenizer's post-processor
+    bos = tok.bos_token_id
+    texts, conversational = task.render_prompts(tok, ["Q?"])
+    assert tok(texts[0])["input_ids"][:2] == [bos, bos]  # the trap: plain tokenization doubles it
+    assert task.encode_prompts(tok, texts, conversational)[0].count(bos) == 1
+    assert task.encode_prompts(tok, ["Q?"], False)[0] == [bos] + tok("Q?", add_special_tokens=False)["input_ids"]
+
+
+def test_tokenizer_survives_save_and_auto_reload(tmp_path):
+    # transformers 5 reloads a folder with a qwen2 config as a Qwen2Tokenizer (byte-level pre-tokenizer)
+    from transformers import AutoTokenizer
+    tok = chat_tokenizer()
+    tok.save_pretrained(tmp_path)
+    Qwen2Config(vocab_size=len(tok)).save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    text = task.render_prompts(tok, [GSM8K_FIXTURES[3]["question"]])[0][0] + "<think>12 - 3 = 9\n</think> 33"
+    assert reloaded(text)["input_ids"] == tok(text)["input_ids"]
+    assert reloaded.decode(tok(text)["input_ids"]) == text
+    assert (reloaded.eos_token_id, reloaded.pad_token_id) == (tok.eos_token_id, tok.pad_token_id) == (3, 0)
+
+
+def test_default_task_tokenizer_unchanged():
+    tok = task.build_tokenizer()
+    assert len(tok) == 2 + len(task.CHARS) and tok.eos_token_id == tok.pad_token_id == 0
+    assert tok.chat_template is None and tok.decode(tok("739>9")["input_ids"]) == "739>9"
+
+
+# -----------------------------------------------------------------------------
+# A learned reward model as a reward function
+
+def save_reward_model(directory, tokenizer, num_labels=1, seed=0):
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024,
+                         num_labels=num_labels, pad_token_id=tokenizer.pad_token_id)  # head_dim 32
+    torch.manual_seed(seed)
+    Qwen2ForSequenceClassification(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+PROMPTS = [GSM8K_FIXTURES[0]["question"]] * 3 + [[{"role": "user", "content": GSM8K_FIXTURES[2]["question"]}]]
+COMPLETIONS = ["<think>12 - 5 = 7</think> 7", "<think>no idea</think> 12", "7",
+               [{"role": "assistant", "content": "<think>15*6 = 90</think> 90"}]]
+
+
+@pytest.mark.parametrize("with_template", [True, False])
+def test_reward_model_scores(with_template, tmp_path):
+    tok = chat_tokenizer() if with_template else task.build_tokenizer(task.TEXT_CHARS)
+    path = save_reward_model(tmp_path / "rm", tok)
+    fn = get_reward_model_func(path, batch_size=3, device="cpu")
+    assert fn.__name__ == "reward_model_rm"
+    scores = fn(completions=COMPLETIONS, prompts=PROMPTS)
+    assert len(scores) == 4 and all(isinstance(s, float) for s in scores)
+    assert fn(completions=COMPLETIONS, prompts=PROMPTS) == scores  # deterministic: eval mode
+    assert len(set(scores)) == 4  # the completion matters
+    # padding in a batch of 3 (right padding) changes nothing against one sequence at a time
+    one_by_one = get_reward_model_func(path, batch_size=1, device="cpu")(completions=COMPLETIONS, prompts=PROMPTS)
+    assert torch.allclose(torch.tensor(scores), torch.tensor(one_by_one), atol=1e-5)
+    # by hand: render the pair, run the model, read the logit at the last token
+    model = Qwen2ForSequenceClassification.from_pretrained(path).eval()
+    text = (f"<|im_start|>user\n{PROMPTS[0]}<|im_end|>\n<|im_start|>assistant\n{COMPLETIONS[0]}<|im_end|>\n"
+            if with_template else PROMPTS[0] + COMPLETIONS[0])
+    with torch.no_grad():
+        expected = model(torch.tensor([tok(text)["input_ids"]])).logits[0, 0].item()
+    assert scores[0] == pytest.approx(expected, abs=1e-5)
+
+
+def test_reward_model_mixes_with_a_rule_reward(tmp_path):
+    path = save_reward_model(tmp_path / "rm", chat_tokenizer())
+    funcs = get_reward_funcs(["think_format_reward", path])
+    assert [f.__name__ for f in funcs] == ["think_format_reward", "reward_model_rm"]
+    rewards = compute_rewards(funcs, PROMPTS, COMPLETIONS, solution=["#### 7"] * 3 + ["#### 90"])  # (4, 2)
+    assert rewards.shape == (4, 2) and torch.isfinite(rewards).all()
+    assert rewards[:, 0].tolist() == [1, 1, 0, 1]
+    assert rewards[:, 1].tolist() == get_reward_model_func(path)(COMPLETIONS, PROMPTS)
+
+
+def test_reward_model_errors(tmp_path):
+    path = save_reward_model(tmp_path / "two_labels", chat_tokenizer(), num_labels=2)
+    with pytest.raises(ValueError, match="has 2 labels; a reward model needs 1"):
+        get_reward_funcs([path])
+    with pytest.raises(ValueError, match="reward model '/no/such/rm': cannot load"):
+        get_reward_funcs(["/no/such/rm"])
+    with pytest.raises(ValueError, match="unknown reward function 'no_such_reward'.*hub id"):
+        get_reward_funcs(["no_such_reward"])
