@@ -53,7 +53,8 @@ def _chosen_logps(rows, ids, temperature):
 
 def _entropy(rows, temperature):
     logp = _upcast(rows, temperature).log_softmax(-1)  # (n, V)
-    return -(logp.exp() * logp).sum(-1)  # (n,)
+    p = logp.exp()  # (n, V)
+    return -(p * logp.masked_fill(p == 0, 0.0)).sum(-1)  # (n,): 0 * log 0 = 0, not NaN, at -inf logits
 
 
 def _by_row_chunks(fn, logits, *row_args, chunk_rows=None):

@@ -219,3 +219,12 @@ def test_reduce_loss_errors():
         reduce_loss(PER_TOKEN, MASK, "mean")
     with pytest.raises(ValueError, match="num_items"):
         reduce_loss(PER_TOKEN, MASK, "dapo")
+
+
+def test_entropy_with_banned_tokens_is_finite():
+    """-inf logits (banned tokens) have p = 0 and add nothing: entropy over the rest, and a finite gradient."""
+    logits = torch.tensor([[[0.0, 0.0, -float("inf"), 0.0]]], requires_grad=True)  # (1, 1, 4)
+    h = entropy_from_logits(logits)
+    torch.testing.assert_close(h, torch.log(torch.tensor([[3.0]])))
+    h.sum().backward()
+    assert torch.isfinite(logits.grad).all()
