@@ -53,3 +53,14 @@ def test_vllm_engine(tmp_path):
     _, out, records = run_train(FAST + ["--engine", "vllm", "--eval-every", "3"], tmp_path)
     assert "VLLMEngine" in out
     assert [r["step"] for r in records] == [0, 1, 2, 3] and records[-1]["time_sync"] > 0
+
+
+def test_triton_loss_matches_torch_loss(tmp_path):
+    """--loss-impl triton (the kernel, here under TRITON_INTERPRET=1) trains like the loss.py reference."""
+    args = FAST + ["--engine", "hf", "--beta", "0.04", "--num-iterations", "2"]
+    _, _, ref = run_train(args + ["--loss-impl", "torch"], tmp_path / "torch")
+    _, out, fused = run_train(args + ["--loss-impl", "triton"], tmp_path / "triton", env={"TRITON_INTERPRET": "1"})
+    assert "loss triton" in out
+    for a, b in zip(ref[1:], fused[1:]):
+        for key in ("loss", "kl", "grad_norm", "reward_mean"):
+            assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), (key, a[key], b[key])
