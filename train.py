@@ -38,10 +38,15 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch/vLLM import: vLLM forces 1 thread otherwise
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep vLLM's engine core in this process
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM logs every prefix-cache reset at INFO
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
@@ -105,6 +110,7 @@ parser.add_argument("--wandb", default=None, help="also log to this wandb projec
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank (1 is fastest on small CPUs)")
 parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="auto: bf16 on CUDA")
+parser.add_argument("--fsdp", action="store_true", help="shard the policy (and reference) with FSDP2, per decoder layer")
 args = parser.parse_args()
 
 # -----------------------------------------------------------------------------
@@ -148,6 +154,7 @@ checks = [
     (args.minibatch_size >= 0 and args.micro_batch_size >= 0, "--minibatch-size and --micro-batch-size must be >= 0"),
     (args.save_every >= 1 and args.keep_last >= 1, "--save-every and --keep-last must be >= 1"),
     (args.eval_size >= 1, f"--eval-size must be >= 1, got {args.eval_size}"),
+    (not args.fsdp or world > 1, "--fsdp shards over ranks: launch with torchrun --nproc_per_node N (N >= 2)"),
     (not (args.loss_impl == "triton" and args.importance_sampling_level == "sequence"),
      "--loss-impl triton supports --importance-sampling-level token only; use --loss-impl torch"),
     (args.model is None or os.path.isdir(args.model) or  # else it must look like a hub id: org/name
@@ -292,15 +299,26 @@ eval_rows, eval_ids = tokenize(eval_rows, "held-out")
 random.seed(args.seed + rank)
 np.random.seed(args.seed + rank)
 torch.manual_seed(args.seed + rank)
-model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+
+
+def load_model(path):
+    """Full weights on the CPU; with --fsdp each decoder layer is then sharded over the ranks (FSDP2), so only
+    this rank's shard moves to the device: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html"""
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if args.fsdp:
+        for layer in m.model.layers:
+            fully_shard(layer)
+        fully_shard(m)
+    return m.to(device)
+
+
+raw_model = load_model(model_path)
 ref_model = None
 if args.beta > 0:  # the reference is the initial policy, frozen (simplification 3)
-    ref_path = os.path.join(args.out_dir, "init_model") if tiny else args.model
-    ref_model = AutoModelForCausalLM.from_pretrained(ref_path, dtype=dtype).to(device).eval().requires_grad_(False)
-raw_model = model
-if ddp:
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    ref_model = load_model(os.path.join(args.out_dir, "init_model") if tiny else args.model).eval().requires_grad_(False)
+model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None) if ddp and not args.fsdp else raw_model
 optimizer = torch.optim.AdamW(raw_model.parameters(), lr=lr, weight_decay=args.weight_decay)
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to full tensors (a collective with FSDP)
 try:
     engine = make_engine(args.engine, model=raw_model, tokenizer=tokenizer, model_path=model_path, seed=args.seed + rank,
                          dtype=str(dtype).removeprefix("torch."), gpu_memory_utilization=args.vllm_memory,
@@ -310,7 +328,7 @@ except ImportError as e:
          f"(or requirements-gpu.txt), or use --engine hf")
 start_step, opt_step = 0, 0
 if resume_from:  # RNG states last: engine start-up reseeds torch
-    optimizer.load_state_dict(saved["optimizer"])
+    set_optimizer_state_dict(raw_model, optimizer, saved["optimizer"], options=StateDictOptions(full_state_dict=True))
     start_step, opt_step = saved["step"], saved["opt_step"]
     rng = torch.load(os.path.join(resume_from, f"rng_rank{rank}.pt"), weights_only=False)
     random.setstate(rng["python"]), np.random.set_state(rng["numpy"]), torch.set_rng_state(rng["torch"])
@@ -321,6 +339,11 @@ if resume_from:  # RNG states last: engine start-up reseeds torch
 print0(f"engine {type(engine).__name__}, {world} rank(s), device {device}, loss {'triton' if use_kernel else 'torch'}, "
        f"{sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M params, {len(train_rows)} train prompts")
 wandb_run = wandb.init(project=args.wandb, config=vars(args)) if args.wandb and master else None
+
+
+def save_model(path, state_dict):
+    raw_model.save_pretrained(path, state_dict=state_dict)  # safetensors: loadable by transformers and vLLM
+    tokenizer.save_pretrained(path)
 
 
 def save_checkpoint(step):
@@ -334,10 +357,11 @@ def save_checkpoint(step):
                cuda=torch.cuda.get_rng_state() if device.type == "cuda" else None,
                engine_calls=engine.calls)  # the engines sample from a stream seeded by (seed, call number)
     torch.save(rng, os.path.join(path + ".tmp", f"rng_rank{rank}.pt"))
-    if master:  # DDP keeps weights and optimizer states identical on every rank
-        raw_model.save_pretrained(os.path.join(path + ".tmp", "model"))
-        tokenizer.save_pretrained(os.path.join(path + ".tmp", "model"))
-        torch.save(dict(optimizer=optimizer.state_dict(), step=step, opt_step=opt_step, config=run_config),
+    model_state = get_model_state_dict(raw_model, options=FULL)  # every rank: FSDP gathers the shards
+    optimizer_state = get_optimizer_state_dict(raw_model, optimizer, options=FULL)
+    if master:
+        save_model(os.path.join(path + ".tmp", "model"), model_state)
+        torch.save(dict(optimizer=optimizer_state, step=step, opt_step=opt_step, config=run_config),
                    os.path.join(path + ".tmp", "trainer.pt"))
     barrier()
     if master:
@@ -483,8 +507,11 @@ for step in (bar := tqdm(range(start_step + 1, args.steps + 1), initial=start_st
             for mc in range(mb, mb + minibatch, micro):
                 r = slice(mc, mc + micro)
                 sel = lambda x: None if x is None else x[r]  # noqa: E731
-                if ddp:  # all-reduce gradients once per minibatch, on its last micro-batch (nanoGPT's trick)
-                    model.require_backward_grad_sync = mc + micro == mb + minibatch
+                last_micro = mc + micro == mb + minibatch  # reduce gradients once per minibatch (nanoGPT's trick)
+                if args.fsdp:
+                    raw_model.set_requires_gradient_sync(last_micro)
+                elif ddp:
+                    model.require_backward_grad_sync = last_micro
                 logits = completion_logits(model, *(x[r] for x in batch), T)  # (n, T, V)
                 if use_kernel:
                     from kernels import fused_grpo_token_loss
@@ -514,6 +541,7 @@ for step in (bar := tqdm(range(start_step + 1, args.steps + 1), initial=start_st
                 (loss * share).backward()
                 step_metrics.append(dict(metrics, loss=loss.item()))
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip or float("inf"))
+            grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
             if not torch.isfinite(grad_norm):  # same value on every rank (gradients are all-reduced)
                 last = sorted(glob.glob(os.path.join(ckpt_root, "step_*[0-9]")))
                 fail(f"non-finite loss or gradient at step {step} (grad norm {grad_norm.item()}); weights left "
@@ -552,11 +580,11 @@ for step in (bar := tqdm(range(start_step + 1, args.steps + 1), initial=start_st
 
 # -----------------------------------------------------------------------------
 # The final policy (loadable by transformers and servable by vLLM), the plot, clean-up
+final_state = get_model_state_dict(raw_model, options=FULL)
 if master:
     metrics_file.close()
     save_dir = os.path.join(args.out_dir, "model")
-    raw_model.save_pretrained(save_dir)
-    tokenizer.save_pretrained(save_dir)
+    save_model(save_dir, final_state)
     evals = [r for r in map(json.loads, open(metrics_path)) if "eval_greedy" in r]
     if evals:
         print0(f"saved {save_dir}; held-out accuracy (greedy) {evals[0]['eval_greedy']:.3f} at step "

@@ -17,11 +17,12 @@ ARGS = ["--engine", "hf", "--steps", "6", "--save-every", "2", "--eval-every", "
         "--prompts-per-step", "8"]
 
 
-def start_and_kill(out_dir, nproc, kill_after_step):
+def start_and_kill(out_dir, nproc, kill_after_step, extra=()):
     """Start a run in its own process group and SIGKILL the group once `kill_after_step` is logged."""
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     f"--nproc_per_node={nproc}"]
-    proc = subprocess.Popen(launcher + [os.path.join(ROOT, "train.py"), "--out-dir", str(out_dir), *ARGS], cwd=ROOT,
+    proc = subprocess.Popen(launcher + [os.path.join(ROOT, "train.py"), "--out-dir", str(out_dir), *ARGS, *extra],
+                            cwd=ROOT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
@@ -34,12 +35,12 @@ def start_and_kill(out_dir, nproc, kill_after_step):
     proc.wait()
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_kill_and_resume_is_bit_identical(nproc, tmp_path):
-    run_train(ARGS, tmp_path / "straight", nproc=nproc)
-    start_and_kill(tmp_path / "crashed", nproc, kill_after_step=3)  # checkpoint at 2, killed during step 4
+@pytest.mark.parametrize("nproc,extra", [(1, []), (2, []), (2, ["--fsdp"])], ids=["1rank", "2ranks", "2ranks-fsdp"])
+def test_kill_and_resume_is_bit_identical(nproc, extra, tmp_path):
+    run_train(ARGS + extra, tmp_path / "straight", nproc=nproc)
+    start_and_kill(tmp_path / "crashed", nproc, kill_after_step=3, extra=extra)  # checkpoint at 2, killed in step 4
     assert glob.glob(str(tmp_path / "crashed" / "checkpoints" / "step_000002"))
-    _, out, _ = run_train(ARGS, tmp_path / "crashed", nproc=nproc)
+    _, out, _ = run_train(ARGS + extra, tmp_path / "crashed", nproc=nproc)
     assert "resuming from" in out
     straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "crashed")
     assert [r["step"] for r in resumed] == list(range(7))
