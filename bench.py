@@ -41,7 +41,7 @@ def bench_rollout(args):
     tokenizer = task.build_tokenizer()
     vocab = len(tokenizer)
     tokenizer.add_special_tokens({"eos_token": "<never>"})  # id == vocab: the model cannot sample it
-    rows, _ = task.make_max_digit_dataset(num_train=num_prompts, num_test=1)
+    rows, _ = task.make_sort_dataset(num_train=num_prompts, num_test=1)
     prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]
     P = max(len(p) for p in prompts)
 

@@ -1,9 +1,10 @@
 """
 The built-in task and tiny model: what `train.py` trains when no --model / --dataset is given.
 
-Task "max of digits": the prompt is K random digits and '>' (e.g. `739>`), the answer is the largest
-digit (`9`) followed by EOS. The reward is checkable by a rule, the prompt space is small enough for a
-0.3M-parameter model to learn from scratch on a CPU in about a minute, and a random policy scores ~1/10.
+Task "sort the digits": the prompt is K random digits and '>' (e.g. `739>`), the answer is the same digits
+sorted largest first (`973`) followed by EOS. The reward is checkable by a rule, a random policy scores
+1/1000, and a 0.3M-parameter model learns it from scratch with GRPO on a 2-core CPU in a few minutes:
+the first answer digit (the max) comes first, then the rest, helped by a per-position shaping reward.
 
 Real datasets (GSM8K and the like): load_prompt_dataset -> rows {"prompt", "solution", other columns},
 render_prompts -> the texts the policy sees (chat template + R1 system prompt), encode_prompts -> ids.
@@ -12,9 +13,9 @@ render_prompts -> the texts the policy sees (chat template + R1 system prompt), 
     python -m pytest -q tests/test_data.py
 
 Simplifications:
-1. Answers are drawn evenly from 0-9 and digits are then drawn below the answer. Drawing digits uniformly
-   skews answers towards 9 (P(max=9) = 27%), and a policy stuck on "9" never learns small answers.
-2. Train and held-out prompts are disjoint strings, except for answers 0 and 1, which have only 1 and
+1. Prompts are drawn with their largest digit even over 0-9. Drawing digits uniformly skews the max
+   towards 9 (P(max=9) = 27%), and a policy stuck on "9..." never learns prompts of small digits.
+2. Train and held-out prompts are disjoint strings, except for max digit 0 and 1, which have only 1 and
    7 possible prompts (for K=3): those strings appear in both splits.
 3. A character-level tokenizer (one token per character, EOS doubles as padding) built in memory with
    `tokenizers` as a byte-level BPE with no merges, saved like any HF tokenizer so vLLM and `AutoTokenizer`
@@ -79,8 +80,8 @@ def build_tiny_model(tokenizer, seed=0, hidden_size=128, num_layers=2, num_heads
     return model
 
 
-def make_max_digit_dataset(num_digits=3, num_train=20000, num_test=500, test_frac=0.2, seed=0):
-    """Returns (train, test): lists of {"prompt": "739>", "solution": "9"}, answers even over 0-9."""
+def make_sort_dataset(num_digits=3, num_train=20000, num_test=500, test_frac=0.2, seed=0):
+    """Returns (train, test): lists of {"prompt": "739>", "solution": "973"}, the max digit even over 0-9."""
     rng = random.Random(seed)
     by_answer = {a: [] for a in range(10)}  # every possible prompt string, bucketed by its answer
     for n in range(10 ** num_digits):
@@ -97,17 +98,19 @@ def make_max_digit_dataset(num_digits=3, num_train=20000, num_test=500, test_fra
         rows = []
         for _ in range(n):
             a = rng.randrange(10)
-            rows.append({"prompt": rng.choice(pool[a]) + ">", "solution": str(a)})
+            digits = rng.choice(pool[a])
+            rows.append({"prompt": digits + ">", "solution": "".join(sorted(digits, reverse=True))})
         return rows
 
     return draw(train_strings, num_train), draw(test_strings, num_test)
 
 
-def digit_format_reward(completions, **kw):
-    """0.1-weighted shaping reward of the default task: 1.0 iff the completion is one digit then EOS.
-    (Texts are decoded up to EOS, and max_new_tokens is 2, so a 1-character digit text means EOS came.)"""
+def position_reward(completions, solution, **kw):
+    """The default task's shaping reward (weight 0.5 beside exact match 1.0): the fraction of answer positions
+    that are right, over the longer of answer and completion ("973" vs "97": 2/3; vs "9731": 3/4). Exact match
+    alone is too sparse to start from (1 in 1000 at random); this rewards getting the max first, then more."""
     texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
-    return [1.0 if len(t) == 1 and t.isdigit() else 0.0 for t in texts]
+    return [sum(a == b for a, b in zip(t, s)) / max(len(t), len(s)) for t, s in zip(texts, solution, strict=True)]
 
 
 # -----------------------------------------------------------------------------
@@ -204,7 +207,7 @@ def encode_prompts(tokenizer, prompt_texts, conversational):
 
 if __name__ == "__main__":
     tokenizer = build_tokenizer()
-    train, test = make_max_digit_dataset()
+    train, test = make_sort_dataset()
     print(train[:5], len(train), len(test))
     ids = tokenizer(train[0]["prompt"] + train[0]["solution"])["input_ids"]
     print(ids, repr(tokenizer.decode(ids)))

@@ -6,7 +6,7 @@ completions that beat their group's mean, with a PPO-style clipped ratio and an 
     A_i = (r_i - mean(r_group)) / std(r_group)
     L   = -mean_t min(rho_t A_i, clip(rho_t, 1-eps_low, 1+eps_high) A_i) + beta * KL_k3(pi || pi_ref)
 
-Run (no GPU, no network: builds a tiny model and the built-in "max of digits" task, see task.py):
+Run (no GPU, no network: builds a tiny model and the built-in "sort the digits" task, see task.py):
     python train.py                                            # 1 process
     torchrun --standalone --nproc_per_node 2 train.py --G 8    # 2 ranks (gloo on CPU, nccl on GPUs)
     python plot.py out                                         # re-draw out/metrics.png
@@ -27,6 +27,7 @@ Simplifications (each is a choice, not an accident):
    and the step (the data order is a pure function of seed and step).
 """
 import argparse
+import dataclasses
 import glob
 import json
 import math
@@ -72,11 +73,14 @@ parser.add_argument("--task-digits", type=int, default=3, help="built-in task: d
 parser.add_argument("--G", type=int, default=8, help="completions per prompt (group size)")
 parser.add_argument("--prompts-per-step", type=int, default=32, help="prompts per step, all ranks together")
 parser.add_argument("--max-prompt-len", type=int, default=512, help="longer prompts are dropped (with a warning)")
-parser.add_argument("--max-new-tokens", type=int, default=None, help="completion limit (task default: 2 / 512)")
+parser.add_argument("--max-new-tokens", type=int, default=None, help="completion limit (task default: digits+1 / 512)")
 parser.add_argument("--temperature", type=float, default=1.0)
 parser.add_argument("--top-p", type=float, default=1.0)
 parser.add_argument("--engine", default="auto", choices=["auto", "vllm", "hf"], help="auto: vLLM when installed")
 parser.add_argument("--vllm-memory", type=float, default=0.3, help="vLLM memory fraction (of the GPU / NUMA RAM)")
+parser.add_argument("--vllm-tp", type=int, default=1, help="colocated vLLM: tensor-parallel over this many ranks")
+parser.add_argument("--vllm-mode", default="colocate", choices=["colocate", "server"], help="server: see --vllm-url")
+parser.add_argument("--vllm-url", default=None, help="server mode: http://HOST:PORT of `python rollout.py serve`")
 # Rewards
 parser.add_argument("--rewards", nargs="+", default=None, help="built-in names, dotted paths or reward-model dirs")
 parser.add_argument("--reward-weights", type=float, nargs="+", default=None, help="one weight per reward")
@@ -118,7 +122,8 @@ args = parser.parse_args()
 builtin_task = args.dataset is None
 tiny = args.model is None
 lr = args.lr if args.lr is not None else (3e-4 if tiny else 1e-6)
-max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else (2 if builtin_task else 512)
+max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else (
+    args.task_digits + 1 if builtin_task else 512)  # the built-in task's answer, then EOS
 entropy_coef = args.entropy_coef if args.entropy_coef is not None else (0.1 if builtin_task else 0.0)
 world = int(os.environ.get("WORLD_SIZE", 1))
 rank = int(os.environ.get("RANK", 0))
@@ -155,6 +160,10 @@ checks = [
     (args.save_every >= 1 and args.keep_last >= 1, "--save-every and --keep-last must be >= 1"),
     (args.eval_size >= 1, f"--eval-size must be >= 1, got {args.eval_size}"),
     (not args.fsdp or world > 1, "--fsdp shards over ranks: launch with torchrun --nproc_per_node N (N >= 2)"),
+    (args.vllm_mode == "colocate" or args.vllm_url, "--vllm-mode server needs --vllm-url http://HOST:PORT"),
+    (args.vllm_tp >= 1 and world % args.vllm_tp == 0, f"--vllm-tp {args.vllm_tp} must divide the {world} ranks"),
+    (args.vllm_tp == 1 or (args.engine != "hf" and args.vllm_mode == "colocate"),
+     "--vllm-tp applies to the colocated vLLM engine: drop it with --engine hf, or set the server's own TP"),
     (not (args.loss_impl == "triton" and args.importance_sampling_level == "sequence"),
      "--loss-impl triton supports --importance-sampling-level token only; use --loss-impl torch"),
     (args.model is None or os.path.isdir(args.model) or  # else it must look like a hub id: org/name
@@ -170,9 +179,9 @@ micro = args.micro_batch_size or minibatch
 if n_local % minibatch or minibatch % micro:
     fail(f"--micro-batch-size {micro} must divide --minibatch-size {minibatch}, which must divide the "
          f"{n_local} completions per rank per step (prompts-per-step / ranks * G)")
-reward_names = args.rewards or (["exact_match_reward", "task.digit_format_reward"] if builtin_task
+reward_names = args.rewards or (["exact_match_reward", "task.position_reward"] if builtin_task
                                 else ["think_format_reward", "accuracy_reward"])
-reward_weights = args.reward_weights or ([1.0, 0.1] if builtin_task else [0.1, 1.0])
+reward_weights = args.reward_weights or ([1.0, 0.5] if builtin_task else [0.1, 1.0])
 if args.rewards and not args.reward_weights:
     reward_weights = [1.0] * len(reward_names)
 if len(reward_weights) != len(reward_names):
@@ -210,7 +219,7 @@ use_kernel = args.loss_impl == "triton" or (args.loss_impl == "auto" and device.
 ckpt_root = os.path.join(args.out_dir, "checkpoints")
 run_config = {k: v for k, v in vars(args).items()
               if k not in ("steps", "eval_every", "eval_size", "save_every", "keep_last", "resume", "out_dir",
-                           "wandb", "threads", "engine", "vllm_memory", "loss_impl", "micro_batch_size")}
+                           "wandb", "threads", "engine", "vllm_memory", "vllm_url", "loss_impl", "micro_batch_size")}
 run_config["world_size"] = world
 
 
@@ -263,7 +272,7 @@ try:
 except OSError as e:  # a hub id that is not in the local cache while offline, a folder without a tokenizer, ...
     fail(f"--model {model_path!r}: cannot load its tokenizer ({str(e).splitlines()[0]})")
 if builtin_task:
-    train_rows, eval_rows = task.make_max_digit_dataset(args.task_digits, num_test=args.eval_size, seed=args.seed)
+    train_rows, eval_rows = task.make_sort_dataset(args.task_digits, num_test=args.eval_size, seed=args.seed)
     conversational = False
 else:
     try:
@@ -319,13 +328,20 @@ if args.beta > 0:  # the reference is the initial policy, frozen (simplification
 model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None) if ddp and not args.fsdp else raw_model
 optimizer = torch.optim.AdamW(raw_model.parameters(), lr=lr, weight_decay=args.weight_decay)
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to full tensors (a collective with FSDP)
+tp_group = None
+if args.vllm_tp > 1:  # every rank creates every group (torch.distributed's rule), then keeps its own
+    tp_group = [dist.new_group(list(range(g, g + args.vllm_tp))) for g in range(0, world, args.vllm_tp)][rank // args.vllm_tp]
 try:
-    engine = make_engine(args.engine, model=raw_model, tokenizer=tokenizer, model_path=model_path, seed=args.seed + rank,
+    engine = make_engine("server" if args.vllm_mode == "server" else args.engine, url=args.vllm_url,
+                         model=raw_model, tokenizer=tokenizer, model_path=model_path,
+                         seed=args.seed + rank // args.vllm_tp,  # a tensor-parallel group samples as one engine
                          dtype=str(dtype).removeprefix("torch."), gpu_memory_utilization=args.vllm_memory,
-                         max_model_len=prompt_limit + max_new_tokens)
+                         max_model_len=prompt_limit + max_new_tokens, tensor_parallel_size=args.vllm_tp)
 except ImportError as e:
     fail(f"--engine {args.engine}: vLLM is not installed ({e}); pip install -r requirements-cpu.txt "
          f"(or requirements-gpu.txt), or use --engine hf")
+if args.vllm_mode == "server":  # the server may hold other weights (a restart, a resumed run): start in step
+    engine.sync_weights(model)
 start_step, opt_step = 0, 0
 if resume_from:  # RNG states last: engine start-up reseeds torch
     set_optimizer_state_dict(raw_model, optimizer, saved["optimizer"], options=StateDictOptions(full_state_dict=True))
@@ -428,13 +444,26 @@ def score(funcs, rows, rollout):
     return rewards
 
 
+def generate(prompt_ids, G, temperature):
+    """G completions per prompt. Under --vllm-tp the ranks of a group drive one engine together, so each passes
+    the whole group's prompts (the same call on every member) and keeps its own slice of the completions."""
+    if tp_group is None:
+        return engine.generate(prompt_ids, G, max_new_tokens, temperature=temperature, top_p=args.top_p)
+    everyone = [None] * args.vllm_tp
+    dist.all_gather_object(everyone, prompt_ids, group=tp_group)
+    out = engine.generate(sum(everyone, []), G, max_new_tokens, temperature=temperature, top_p=args.top_p)
+    start = sum(map(len, everyone[:rank % args.vllm_tp])) * G
+    mine = slice(start, start + len(prompt_ids) * G)
+    return dataclasses.replace(out, **{f.name: getattr(out, f.name)[mine] for f in dataclasses.fields(out)})
+
+
 @torch.no_grad()
 def evaluate():
     """Held-out accuracy, greedy (temperature 0) and sampled, over all ranks."""
     rows, ids = eval_rows[rank::world], eval_ids[rank::world]
     totals = []
     for temperature in (0.0, args.temperature):
-        out = engine.generate(ids, 1, max_new_tokens, temperature=temperature)
+        out = generate(ids, 1, temperature)
         totals.append(torch.nan_to_num(score([eval_func], rows, out)[:, 0]).sum())
     totals = torch.stack(totals + [torch.tensor(float(len(rows)))]).to(device)  # (correct greedy, sampled, count)
     if ddp:
@@ -464,8 +493,7 @@ for step in (bar := tqdm(range(start_step + 1, args.steps + 1), initial=start_st
     t0 = time.time()
     idx = batch_indices(step - 1)
     rows = [train_rows[i] for i in idx for _ in range(args.G)]  # (N,) the dataset row of each completion
-    rollout = engine.generate([train_ids[i] for i in idx], args.G, max_new_tokens,
-                              temperature=args.temperature, top_p=args.top_p)
+    rollout = generate([train_ids[i] for i in idx], args.G, args.temperature)
     completion_ids = rollout.completion_ids.to(device)  # (N, T)
     completion_mask = rollout.completion_mask.to(device).float()  # (N, T)
     N, T = completion_ids.shape

@@ -51,6 +51,7 @@ CASES = {  # name: (extra args, expected text in the error line)
     "triton + sequence IS": (["--loss-impl", "triton", "--importance-sampling-level", "sequence"], "token only"),
     "model path missing": (["--model", "/no/such/model"], "no such directory"),
     "resume without checkpoint": (["--resume", "yes"], "no checkpoint under"),
+    "fsdp on one process": (["--fsdp"], "--fsdp shards over ranks"),
 }
 
 

