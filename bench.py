@@ -244,7 +244,7 @@ def bench_kernel(args):
                 results[name] = (t_fwd, t_bwd, t_total, memory, abs(value - ref_value))
             except Exception as e:  # e.g. out of memory: report it, go on with the others
                 print(f"{N:>6} {V:>7} {beta:>5} {name:<16} failed: {type(e).__name__}: {str(e)[:80]}")
-            del leaf
+            leaf = None  # free it before the next method
             if cuda:
                 torch.cuda.empty_cache()
         ours_total = results["ours"][2] if "ours" in results else float("nan")

@@ -13,3 +13,20 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(1)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model folder, trainer model, tokenizer, prompt ids): task.py's tied-embedding tiny Qwen2 (head_dim 32)."""
+    from helpers import PROMPTS
+    from task import build_tiny_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model = build_tiny_model(tokenizer, seed=0)
+    path = str(tmp_path_factory.mktemp("tiny"))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path, model, tokenizer, [tokenizer(p)["input_ids"] for p in PROMPTS]

@@ -5,6 +5,19 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = ["739>", "12>", "5>", "8086>"]  # different lengths: left padding (HF) must not shift anything
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING",
+       "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run_two_rank_script(script, *args, timeout=300):
+    """Run a test file as a 2-rank torchrun script; fail with its output unless both ranks print 'rank N PASS'."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.abspath(script), *map(str, args)]
+    proc = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    log = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, log
+    assert "rank 0 PASS" in proc.stdout and "rank 1 PASS" in proc.stdout, log
 
 
 def run_train(args, out_dir, nproc=1, timeout=300, env=None, check=True):

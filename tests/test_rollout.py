@@ -9,23 +9,13 @@ import copy
 import pytest
 import torch
 
+from helpers import PROMPTS
 from loss import selective_log_softmax
 from rollout import HFEngine, VLLMEngine, make_engine
-from task import build_tiny_model, build_tokenizer
 
-PROMPTS = ["739>", "12>", "5>", "8086>"]  # different lengths: left padding (HF) must not shift anything
 G, MAX_NEW = 8, 12
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(model folder, trainer model, tokenizer, prompt ids): a tied-embedding Qwen2, head_dim 32."""
-    tokenizer = build_tokenizer()
-    model = build_tiny_model(tokenizer, seed=0)
-    path = str(tmp_path_factory.mktemp("tiny"))
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path, model, tokenizer, [tokenizer(p)["input_ids"] for p in PROMPTS]
 
 
 def start_vllm(path, seed=0):

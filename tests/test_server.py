@@ -19,10 +19,10 @@ import time
 import pytest
 import torch
 
+from helpers import ENV, PROMPTS, run_two_rank_script
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROMPTS = ["739>", "12>", "5>", "8086>"]
 G, MAX_NEW, TEMPERATURE = 4, 10, 0.7
-ENV = dict(os.environ, OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")
 
 
 def free_port():
@@ -54,17 +54,6 @@ def start_server(request, model_dir, tokenizer, log_path, *args, env=None):
             time.sleep(0.5)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(model folder, trainer model, tokenizer, prompt ids): the tied-embedding tiny Qwen2 of task.py."""
-    from task import build_tiny_model, build_tokenizer
-
-    tokenizer = build_tokenizer()
-    model = build_tiny_model(tokenizer, seed=0)
-    path = str(tmp_path_factory.mktemp("tiny"))
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path, model, tokenizer, [tokenizer(p)["input_ids"] for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
@@ -145,12 +134,7 @@ def test_tensor_parallel_server(request, tiny, tmp_path):
 
 
 def test_two_ranks(server, tiny):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.abspath(__file__), server, tiny[0]]
-    proc = subprocess.run(cmd, env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300)
-    log = proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert proc.returncode == 0, log
-    assert "rank 0 PASS" in proc.stdout and "rank 1 PASS" in proc.stdout, log
+    run_two_rank_script(__file__, server, tiny[0])
 
 
 def test_server_gone(request, tiny, tmp_path):
