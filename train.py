@@ -86,7 +86,7 @@ parser.add_argument("--rewards", nargs="+", default=None, help="built-in names, 
 parser.add_argument("--reward-weights", type=float, nargs="+", default=None, help="one weight per reward")
 parser.add_argument("--scale-rewards", default="group", choices=["group", "batch", "none"])
 # Optimization
-parser.add_argument("--steps", type=int, default=300, help="GRPO steps (one rollout batch each)")
+parser.add_argument("--steps", type=int, default=700, help="GRPO steps (one rollout batch each)")
 parser.add_argument("--lr", type=float, default=None, help="task default: 3e-4 tiny model / 1e-6 --model")
 parser.add_argument("--warmup-steps", type=int, default=10)
 parser.add_argument("--weight-decay", type=float, default=0.0)
@@ -104,7 +104,7 @@ parser.add_argument("--entropy-coef", type=float, default=None, help="entropy bo
 parser.add_argument("--tis-cap", type=float, default=0.0, help="truncated IS cap vs the sampler's logps (0: off)")
 parser.add_argument("--loss-impl", default="auto", choices=["auto", "triton", "torch"], help="auto: Triton on CUDA")
 # Evaluation, checkpoints, logging, runtime
-parser.add_argument("--eval-every", type=int, default=20, help="held-out evaluation every N steps (0: end only)")
+parser.add_argument("--eval-every", type=int, default=50, help="held-out evaluation every N steps (0: end only)")
 parser.add_argument("--eval-size", type=int, default=500, help="held-out prompts evaluated")
 parser.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (and at the end)")
 parser.add_argument("--keep-last", type=int, default=2, help="checkpoints kept")
