@@ -41,6 +41,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep vLLM's engi
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM logs every prefix-cache reset at INFO
 
+import datasets
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -50,12 +51,17 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.utils.logging import disable_progress_bar
 
 import task
 from advantage import compute_advantages
 from loss import entropy_from_logits, grpo_loss, reduce_loss, selective_log_softmax
 from reward import compute_rewards, get_reward_funcs
 from rollout import make_engine
+
+disable_progress_bar()  # save_pretrained's shard bars would break the step bar
+datasets.disable_progress_bars()
 
 # -----------------------------------------------------------------------------
 parser = argparse.ArgumentParser(description="GRPO trainer (see the docstring at the top of train.py)")
@@ -258,13 +264,6 @@ if tiny and not resume_from:  # rank 0 builds and saves the tiny model; every ra
 else:
     model_path = os.path.join(resume_from, "model") if resume_from else args.model
 
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402  (after the cheap checks)
-from transformers.utils.logging import disable_progress_bar  # noqa: E402
-
-disable_progress_bar()  # save_pretrained's shard bars would break the step bar
-import datasets  # noqa: E402
-
-datasets.disable_progress_bars()
 
 try:
     tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -24,7 +24,7 @@ def fake_modules(tmp_path_factory):
     """A folder that shadows vllm and wandb with modules that fail to import, as on a machine without them."""
     d = tmp_path_factory.mktemp("fake")
     for name in ("vllm", "wandb"):
-        (d / f"{name}.py").write_text(f"raise ImportError('No module named {name!r} (test double)')\n")
+        (d / f"{name}.py").write_text(f'raise ImportError("No module named {name} (test double)")\n')
     return d
 
 
