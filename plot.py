@@ -27,7 +27,8 @@ def plot_metrics(metrics_path, png_path=None):
             if points:
                 ax.plot(*zip(*points), marker="o" if key.startswith("eval") else None, label=key)
         if not ax.lines:
-            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+            note = "not logged (needs --beta > 0)" if keys == ["kl"] else "not logged"
+            ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -594,12 +594,16 @@ for step in (bar := tqdm(range(start_step + 1, args.steps + 1), initial=start_st
                   tokens_per_s=lengths.sum().item() * world / times["rollout"], elapsed=time.time() - t_start)
     if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
         record.update(evaluate())
-        tqdm.write(f"step {step}: held-out accuracy greedy {record['eval_greedy']:.3f} sampled "
-                   f"{record['eval_sampled']:.3f}, reward {record['reward_mean']:.3f} ({record['elapsed']:.0f}s)") if master else None
     if master:
         metrics_file.write(json.dumps(record) + "\n")
         metrics_file.flush()
         bar.set_postfix(reward=f"{record['reward_mean']:.3f}", loss=f"{record['loss']:.4f}")
+        line = (f"step {step} | reward {record['reward_mean']:.3f} | loss {record['loss']:.4f} | "
+                + (f"kl {record['kl']:.4f} | " if "kl" in record else "") + f"len {record['len_mean']:.1f} | "
+                + " ".join(f"{k} {times[k]:.2f}s" for k in times)
+                + (f" | held-out greedy {record['eval_greedy']:.3f} sampled {record['eval_sampled']:.3f}"
+                   if "eval_greedy" in record else ""))
+        tqdm.write(line)  # above the bar: one line per step
         if wandb_run:
             wandb_run.log(record, step=step)
     if step % args.save_every == 0 or step == args.steps:
