@@ -164,7 +164,7 @@ checks = [
     (args.tis_cap >= 0, f"--tis-cap must be >= 0 (0 = off), got {args.tis_cap}"),
     (args.minibatch_size >= 0 and args.micro_batch_size >= 0, "--minibatch-size and --micro-batch-size must be >= 0"),
     (args.save_every >= 1 and args.keep_last >= 1, "--save-every and --keep-last must be >= 1"),
-    (args.eval_size >= 1, f"--eval-size must be >= 1, got {args.eval_size}"),
+    (args.eval_size >= world, f"--eval-size must be >= the {world} ranks (each evaluates a share), got {args.eval_size}"),
     (not args.fsdp or world > 1, "--fsdp shards over ranks: launch with torchrun --nproc_per_node N (N >= 2)"),
     (args.vllm_mode == "colocate" or args.vllm_url, "--vllm-mode server needs --vllm-url http://HOST:PORT"),
     (args.vllm_tp >= 1 and world % args.vllm_tp == 0, f"--vllm-tp {args.vllm_tp} must divide the {world} ranks"),
