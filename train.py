@@ -625,6 +625,7 @@ if master:
         print0(f"plot: {plot.plot_metrics(metrics_path)}")
     except ImportError as e:
         print0(f"no plot ({e}): pip install matplotlib")
+barrier()  # rank 0 was saving and plotting: tear down together, or a rank can exit mid-handshake
 engine.close()  # before destroy_process_group: vLLM's shutdown uses the group (and may destroy it)
 if ddp and dist.is_initialized():
     dist.destroy_process_group()

