@@ -1,4 +1,4 @@
-"""Nothing lost on a crash: kill -9 the whole process group after a checkpoint and mid-step, resume, and the
+"""Nothing lost on a crash: kill -9 every process of the run after a checkpoint and mid-step, resume, and the
 run ends bit-identical to one that was never interrupted (weights and every logged metric), on 1 and 2 ranks.
 Also: a non-finite gradient stops the run with the step number and leaves the last good checkpoint."""
 import glob
@@ -18,7 +18,7 @@ ARGS = ["--engine", "hf", "--steps", "10", "--save-every", "2", "--eval-every", 
 
 
 def start_and_kill(out_dir, nproc, kill_after_step, extra=()):
-    """Start a run in its own process group and SIGKILL the group once `kill_after_step` is logged."""
+    """Start a run and SIGKILL it, torchrun agent and workers alike, once `kill_after_step` is logged."""
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     f"--nproc_per_node={nproc}"]
     proc = subprocess.Popen(launcher + [os.path.join(ROOT, "train.py"), "--out-dir", str(out_dir), *ARGS, *extra],
@@ -31,8 +31,31 @@ def start_and_kill(out_dir, nproc, kill_after_step, extra=()):
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)
+    victims = [proc.pid] + descendants(proc.pid)  # torchrun starts each worker in a session of its own
+    for pid in victims:
+        os.kill(pid, signal.SIGSTOP)  # freeze all first, so none runs on while the others die
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
     proc.wait()
+    assert not any(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+                   for pid in victims), "a process survived the kill"
+
+
+def descendants(pid):
+    """Every process below pid (children, grandchildren, ...), read from /proc."""
+    children = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            fields = open(stat).read().rsplit(")", 1)[1].split()
+        except OSError:  # it exited meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.split("/")[2]))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
 
 
 @pytest.mark.parametrize("nproc,extra", [(1, []), (2, []), (2, ["--fsdp"]), (1, ["--engine", "vllm"])],
@@ -43,7 +66,8 @@ def test_kill_and_resume_is_bit_identical(nproc, extra, tmp_path):
     run_train(ARGS + extra, tmp_path / "straight", nproc=nproc)
     # killed in step 4, after the checkpoint of step 2; 10 steps leave the kill plenty of time to land mid-run
     start_and_kill(tmp_path / "crashed", nproc, kill_after_step=3, extra=extra)
-    assert glob.glob(str(tmp_path / "crashed" / "checkpoints" / "step_000002"))
+    checkpoints = sorted(glob.glob(str(tmp_path / "crashed" / "checkpoints" / "step_*[0-9]")))
+    assert checkpoints and checkpoints[-1] < str(tmp_path / "crashed" / "checkpoints" / "step_000010"), checkpoints
     _, out, _ = run_train(ARGS + extra, tmp_path / "crashed", nproc=nproc)
     assert "resuming from" in out
     straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "crashed")

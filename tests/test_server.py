@@ -212,6 +212,7 @@ def main(url, model_dir):
     for r in sum(everyone, []):
         assert r["stale"] > 1e-2 and r["synced"] < 1e-4 and r["bytes"] == n_bytes, everyone
     print(f"rank {rank} PASS", flush=True)
+    dist.barrier()  # tear down together
     dist.destroy_process_group()
 
 
