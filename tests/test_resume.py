@@ -37,8 +37,18 @@ def start_and_kill(out_dir, nproc, kill_after_step, extra=()):
     for pid in victims:
         os.kill(pid, signal.SIGKILL)
     proc.wait()
-    assert not any(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
-                   for pid in victims), "a process survived the kill"
+    deadline = time.time() + 10  # SIGKILL lands asynchronously: give the kernel a moment to finish each one
+    while any(alive(pid) for pid in victims) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid in victims), "a process survived the kill"
+
+
+def alive(pid):
+    """Running, i.e. neither gone nor a zombie waiting to be reaped."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def descendants(pid):
