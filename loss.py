@@ -1,4 +1,5 @@
-"""The GRPO policy loss in plain PyTorch: the reference that kernels/ must match.
+"""The GRPO policy loss of a micro-batch, from logits: the PyTorch reference, and the entry point
+(policy_loss) that train.py calls whichever implementation runs.
 
 Per completion token t of sequence i, with advantage A_i (advantage.py):
     ratio_t  = exp(logp_t - old_logp_t)                        (importance ratio, PPO)
@@ -16,16 +17,24 @@ Variants:
         sequence, exp of the masked mean of the token log-ratios)
     w_t = min(exp(old_logp_t - sampling_logp_t), tis_cap): truncated importance sampling for the
         rollout-engine / trainer mismatch (Yao et al. 2025, "Your efficient RL framework secretly
-        brings you off-policy RL training"); w = 1 when tis_cap is None.
+        brings you off-policy RL training"); truncated_is_weight builds it, for both paths; w = 1 when off.
     H_t = entropy of softmax(logits / temperature): optional exploration bonus (entropy_coef).
 
-Run the tests: python -m pytest -q tests/test_loss.py
+Which path runs: policy_loss(logits, ..., impl) takes a micro-batch's logits to its share of the
+minibatch loss and one set of metrics. impl="torch": selective_log_softmax + entropy_from_logits +
+grpo_loss below, the readable reference. impl="triton": kernels/grpo.py, the same loss fused into one
+pass over the logits (token-level ratio only; Triton is imported on first use). resolve_impl turns
+--loss-impl auto into "triton" on CUDA with the token-level ratio, "torch" otherwise (CPU, GSPO).
+tests/test_kernel.py and tests/test_loss.py hold the two paths together.
+
+Run the tests: python -m pytest -q tests/test_loss.py tests/test_kernel.py
 
 Simplifications:
 1. old_logps=None means on-policy (one update per generation): the ratio is 1 in value but keeps
    its gradient (logp - logp.detach()), so the loss is the plain policy gradient.
 2. The KL term needs ref_logps only when beta != 0; it is never clipped or importance-weighted.
 3. Metrics are masked token means over this micro-batch, returned as plain floats (one sync).
+4. With tis_cap and old_logps=None (on-policy) the weight uses the current log-probs, detached.
 """
 from functools import partial
 
@@ -34,6 +43,7 @@ from torch.utils.checkpoint import checkpoint
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 IS_LEVELS = ("token", "sequence")
+IMPLS = ("torch", "triton")
 CHUNK_ELEMENTS = 2**26  # fp32 elements per row chunk (256 MiB): bounds the transient upcast copy
 
 
@@ -117,17 +127,22 @@ def reduce_loss(per_token_loss, mask, loss_type="grpo", num_items=None, max_comp
     return masked.sum() / num_items  # dapo: each token of the generation batch weighs the same
 
 
+def truncated_is_weight(old_logps, sampling_logps, tis_cap):
+    """min(exp(old_logps - sampling_logps), tis_cap): (B, T), constant to autograd. The one place the
+    TIS weight is built; both paths of policy_loss take it from here."""
+    if sampling_logps is None:
+        raise ValueError("tis_cap needs sampling_logps (the rollout engine's log-probs of the sampled tokens)")
+    return torch.clamp(torch.exp(old_logps - sampling_logps), max=tis_cap).detach()  # (B, T)
+
+
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo", epsilon_low=0.2,
               epsilon_high=0.2, beta=0.0, num_items=None, max_completion_length=None,
-              importance_sampling_level="token", entropies=None, entropy_coef=0.0,
-              sampling_logps=None, tis_cap=None):
+              importance_sampling_level="token", entropies=None, entropy_coef=0.0, is_weight=None):
     """Clipped surrogate + k3 KL (+ entropy bonus) -> (scalar loss, metrics dict of floats).
-    logps, old_logps, ref_logps, mask, entropies, sampling_logps: (B, T); advantages: (B,)."""
+    logps, old_logps, ref_logps, mask, entropies, is_weight (truncated_is_weight): (B, T); advantages: (B,)."""
     _check(loss_type, num_items, max_completion_length, importance_sampling_level)
     if beta != 0 and ref_logps is None:
         raise ValueError(f"beta={beta} needs ref_logps (the reference model's log-probs); or set beta=0")
-    if tis_cap is not None and sampling_logps is None:
-        raise ValueError("tis_cap needs sampling_logps (the rollout engine's log-probs of the sampled tokens)")
     if entropy_coef != 0 and entropies is None:
         raise ValueError(f"entropy_coef={entropy_coef} needs entropies (see entropy_from_logits)")
     mask = mask.to(logps.dtype)  # (B, T)
@@ -140,8 +155,8 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
     A = advantages.unsqueeze(-1)  # (B, 1)
     clipped_ratio = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)  # (B, T)
     per_token = -torch.min(ratio * A, clipped_ratio * A)  # (B, T)
-    if tis_cap is not None:  # a constant weight: corrects the sampling distribution, carries no gradient
-        per_token = per_token * torch.clamp(torch.exp(old - sampling_logps), max=tis_cap).detach()
+    if is_weight is not None:  # a constant weight: corrects the sampling distribution, carries no gradient
+        per_token = per_token * is_weight
     kl = None
     if ref_logps is not None:
         delta = ref_logps - logps  # (B, T)
@@ -152,11 +167,17 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
         per_token = per_token - entropy_coef * entropies  # maximise entropy: keeps exploring
     loss = reduce_loss(per_token, mask, loss_type, num_items, max_completion_length)
 
+    clip_low = (ratio < 1 - epsilon_low) & (A < 0)  # (B, T): clipped from below, gradient is 0
+    clip_high = (ratio > 1 + epsilon_high) & (A > 0)  # (B, T): clipped from above
+    return loss, _metrics(mask, clip_low, clip_high, ratio, kl, entropies)
+
+
+def _metrics(mask, clip_low, clip_high, ratio, kl=None, entropies=None):
+    """(B, T) per-token stats -> dict of floats, masked token means over the micro-batch (one sync).
+    Both paths of policy_loss report through here, so they log the same names."""
     with torch.no_grad():
         def masked_mean(x):
             return (x * mask).sum() / mask.sum().clamp(min=1.0)
-        clip_low = (ratio < 1 - epsilon_low) & (A < 0)  # (B, T): clipped from below, gradient is 0
-        clip_high = (ratio > 1 + epsilon_high) & (A > 0)  # (B, T): clipped from above
         stats = {"clip_low": masked_mean(clip_low.to(mask.dtype)),
                  "clip_high": masked_mean(clip_high.to(mask.dtype)),
                  "clip_region": masked_mean((clip_low | clip_high).to(mask.dtype)),
@@ -165,5 +186,78 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
             stats["kl"] = masked_mean(kl)
         if entropies is not None:
             stats["entropy"] = masked_mean(entropies)
-        metrics = dict(zip(stats, torch.stack(list(stats.values())).tolist()))
-    return loss, metrics
+        return dict(zip(stats, torch.stack(list(stats.values())).tolist()))
+
+
+# -----------------------------------------------------------------------------
+# a micro-batch, from logits: the one entry point train.py calls
+
+def resolve_impl(loss_impl, device, importance_sampling_level="token"):
+    """--loss-impl "auto" | "torch" | "triton" -> "triton" or "torch". auto: the fused kernel on CUDA when
+    the ratio is token-level (the kernel has no GSPO); PyTorch on CPU, where Triton only interprets."""
+    if loss_impl not in ("auto",) + IMPLS:
+        raise ValueError(f"loss_impl={loss_impl!r}: choose one of {('auto',) + IMPLS}")
+    if loss_impl != "auto":
+        return loss_impl
+    return "triton" if torch.device(device).type == "cuda" and importance_sampling_level == "token" else "torch"
+
+
+def policy_loss(logits, completion_ids, advantages, completion_mask, old_logps=None, ref_logps=None,
+                sampling_logps=None, *, minibatch_size, minibatch_tokens, num_items=None, loss_type="grpo",
+                temperature=1.0, epsilon_low=0.2, epsilon_high=0.2, beta=0.0, entropy_coef=0.0, tis_cap=0.0,
+                importance_sampling_level="token", max_completion_length=None, impl="torch"):
+    """-> (this micro-batch's share of the minibatch loss, ready for .backward(); metrics: dict of floats with
+    one set of names whichever path ran, incl. "loss" = the micro-batch's unscaled loss)
+
+    logits (n, T, V); completion_ids, completion_mask, old/ref/sampling_logps (n, T); advantages (n,).
+    minibatch_size: sequences in the minibatch; minibatch_tokens: its unmasked tokens on this rank (a tensor).
+    tis_cap: 0 = no truncated importance sampling. impl: "torch" or "triton" (see resolve_impl).
+    Metrics: clip_low, clip_high, clip_region, ratio_mean, kl (when ref_logps is given), entropy (when
+    entropy_coef != 0), loss."""
+    _check(loss_type, num_items, max_completion_length, importance_sampling_level)
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: choose one of {IMPLS} (resolve_impl turns 'auto' into one)")
+    if impl == "triton" and importance_sampling_level != "token":
+        raise ValueError("impl='triton' has the token-level ratio only; use impl='torch' for "
+                         "importance_sampling_level='sequence'")
+    logps = entropies = is_weight = None
+    if impl == "torch":
+        logps = selective_log_softmax(logits, completion_ids, temperature)  # (n, T)
+        entropies = entropy_from_logits(logits, temperature) if entropy_coef else None  # (n, T)
+    if tis_cap:
+        old = old_logps
+        if old is None:  # on-policy: the current log-probs, constant (the kernel path has none yet: one pass)
+            old = logps.detach() if logps is not None else selective_log_softmax(logits.detach(), completion_ids,
+                                                                                   temperature)  # (n, T)
+        is_weight = truncated_is_weight(old, sampling_logps, tis_cap)  # (n, T)
+
+    if impl == "torch":
+        loss, metrics = grpo_loss(
+            logps, old_logps, ref_logps, advantages, completion_mask, loss_type=loss_type, epsilon_low=epsilon_low,
+            epsilon_high=epsilon_high, beta=beta, num_items=num_items, max_completion_length=max_completion_length,
+            importance_sampling_level=importance_sampling_level, entropies=entropies, entropy_coef=entropy_coef,
+            is_weight=is_weight)
+    else:
+        from kernels import fused_grpo_token_loss  # imports Triton: only when this path runs
+        per_token, logps, stats = fused_grpo_token_loss(
+            logits, completion_ids, advantages, completion_mask, old_logps, ref_logps, temperature=temperature,
+            epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta, entropy_coef=entropy_coef,
+            is_weight=is_weight)  # (n, T) each; logps and stats detached, 0 at masked tokens
+        loss = reduce_loss(per_token, completion_mask, loss_type, num_items, max_completion_length)
+        mask = completion_mask.to(logps.dtype)  # (n, T)
+        with torch.no_grad():
+            # the ratio as grpo_loss has it; * mask: masked tokens have logps 0, where exp(0 - old) could overflow
+            ratio = torch.exp((logps - old_logps) * mask) if old_logps is not None else torch.ones_like(logps)  # (n, T)
+            kl = stats.get("kl")  # (n, T): the kernel computes it only when beta != 0; grpo_loss logs it at beta = 0
+            if kl is None and ref_logps is not None:
+                delta = ref_logps - logps  # (n, T)
+                kl = torch.exp(delta) - delta - 1  # (n, T)
+        metrics = _metrics(mask, stats["is_clipped_low"], stats["is_clipped_high"], ratio, kl, stats.get("entropy"))
+
+    # this micro-batch's share of the minibatch loss (dapo is already normalised by num_items)
+    if loss_type == "bnpo":
+        share = (completion_mask.sum() / minibatch_tokens.clamp(min=1)).item()
+    else:
+        share = 1.0 if loss_type == "dapo" else logits.size(0) / minibatch_size
+    metrics["loss"] = loss.item()
+    return loss * share, metrics

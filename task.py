@@ -80,6 +80,13 @@ def build_tiny_model(tokenizer, seed=0, hidden_size=128, num_layers=2, num_heads
     return model
 
 
+def save_tiny_model(path, seed=0):
+    """The default run's starting point, as a save_pretrained folder (vLLM and every rank load it from disk)."""
+    tokenizer = build_tokenizer()
+    build_tiny_model(tokenizer, seed=seed).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
 def make_sort_dataset(num_digits=3, num_train=20000, num_test=500, test_frac=0.2, seed=0):
     """Returns (train, test): lists of {"prompt": "739>", "solution": "973"}, the max digit even over 0-9."""
     rng = random.Random(seed)
@@ -111,6 +118,30 @@ def position_reward(completions, solution, **kw):
     alone is too sparse to start from (1 in 1000 at random); this rewards getting the max first, then more."""
     texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
     return [sum(a == b for a, b in zip(t, s)) / max(len(t), len(s)) for t, s in zip(texts, solution, strict=True)]
+
+
+def defaults(builtin_task, tiny_model, digits, rewards=None):
+    """The recipe behind every flag train.py leaves at None: the built-in task's (tiny model from scratch: a high lr,
+    an entropy bonus, exact match + position shaping), or R1's for a dataset (format 0.1 + accuracy 1.0).
+    Rewards given without weights weigh 1 each."""
+    if builtin_task:
+        recipe = dict(max_new_tokens=digits + 1, entropy_coef=0.1,  # the answer, then EOS
+                      rewards=["exact_match_reward", position_reward], reward_weights=[1.0, 0.5],
+                      eval_reward="exact_match_reward")
+    else:
+        recipe = dict(max_new_tokens=512, entropy_coef=0.0, rewards=["think_format_reward", "accuracy_reward"],
+                      reward_weights=[0.1, 1.0], eval_reward="accuracy_reward")
+    return recipe | dict(lr=3e-4 if tiny_model else 1e-6) | (dict(reward_weights=[1.0] * len(rewards)) if rewards else {})
+
+
+def batch_indices(num_rows, step, per_step, rank, world, seed):
+    """This rank's row indices for a step: shuffled once per epoch by the seed (the same order on every rank),
+    a pure function of (seed, step) so that a resumed run draws what the uninterrupted one would."""
+    per_rank = per_step // world
+    epoch, pos = divmod(step * per_step, num_rows)
+    order = list(range(num_rows))
+    random.Random(seed * 1000 + epoch).shuffle(order)
+    return [order[(pos + rank * per_rank + i) % len(order)] for i in range(per_rank)]
 
 
 # -----------------------------------------------------------------------------
@@ -204,6 +235,40 @@ def encode_prompts(tokenizer, prompt_texts, conversational):
     Gemma's output)."""
     return [tokenizer(t, add_special_tokens=not conversational)["input_ids"] for t in prompt_texts]
 
+
+
+def load_tokenizer(path):
+    """-> (tokenizer, the model's context length); ValueError naming the folder when it has no usable tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path).max_position_embeddings
+    except OSError as e:  # a hub id that is not in the local cache while offline, a folder without a tokenizer, ...
+        raise ValueError(f"--model {path!r}: cannot load its tokenizer ({str(e).splitlines()[0]})") from None
+
+
+def load_rows(dataset, *, digits, eval_size, seed, config, split, eval_split, prompt_column, solution_column):
+    """-> (train rows, held-out rows): the built-in task when dataset is None, else the dataset's two splits."""
+    if dataset is None:
+        return make_sort_dataset(digits, num_test=eval_size, seed=seed)
+    load = lambda s: load_prompt_dataset(dataset, config=config, split=s, prompt_column=prompt_column,  # noqa: E731
+                                         solution_column=solution_column)
+    return load(split), load(eval_split)[:eval_size]
+
+
+def prepare_prompts(tokenizer, rows, system_prompt, max_len, what, raw=False, log=print):
+    """Rows -> (kept rows, their token ids, conversational): render (chat template + system prompt, or plain
+    text; raw: the question as it is, as the built-in task wants), encode, drop prompts over max_len tokens."""
+    system_prompt = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt  # '' = none
+    questions = [r["prompt"] for r in rows]
+    texts, conversational = (questions, False) if raw else render_prompts(tokenizer, questions, system_prompt)
+    ids = encode_prompts(tokenizer, texts, conversational)  # (a chat template writes its own BOS)
+    keep = [i for i, x in enumerate(ids) if len(x) <= max_len]
+    if not keep:
+        raise ValueError(f"all {len(rows)} {what} prompts are longer than --max-prompt-len {max_len} tokens: raise "
+                         f"it (the model's context must also hold --max-new-tokens)")
+    if len(keep) < len(rows):
+        log(f"warning: dropped {len(rows) - len(keep)} of {len(rows)} {what} prompts longer than --max-prompt-len")
+    return [rows[i] for i in keep], [ids[i] for i in keep], conversational
 
 if __name__ == "__main__":
     tokenizer = build_tokenizer()

@@ -1,4 +1,16 @@
-"""Fused Triton kernels; the plain-PyTorch reference each one must match lives in loss.py."""
-from .grpo import fused_grpo_token_loss
+"""Fused Triton kernels; the plain-PyTorch reference each one must match lives in loss.py, and
+loss.policy_loss is the one caller in training.
 
+Importing this package does not import Triton; the first use of a kernel does (PEP 562 __getattr__).
+transformers probes the module name `kernels` (the HF kernels hub package) when it loads a model, and
+from the repo root it finds this one: an eager import would pull in Triton there, and a machine without
+Triton could not run train.py at all, not even its PyTorch path.
+"""
 __all__ = ["fused_grpo_token_loss"]
+
+
+def __getattr__(name):  # runs only for names not already in the module: `from kernels import fused_...`
+    if name in __all__:
+        from . import grpo
+        return getattr(grpo, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

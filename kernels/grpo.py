@@ -33,7 +33,9 @@ Benchmark:      python bench.py kernel  (GPU)   /   python bench.py kernel --tin
 
 Simplifications:
 1. Only the token-level ratio (GRPO/DAPO); the sequence-level one (GSPO) stays in loss.py.
-2. The loss_type reductions stay in PyTorch (loss.reduce_loss) on the (B, T) per-token loss.
+2. The loss_type reductions and the metrics stay in PyTorch: loss.policy_loss (impl="triton"), the one
+   caller in training, reduces the (B, T) per-token loss with loss.reduce_loss and reports the stats
+   under loss.grpo_loss's metric names.
 3. BLOCK_V and num_warps are fixed, not autotuned: autotuning would rerun the in-place backward.
 4. ids must lie in [0, V) at unmasked positions; they are not checked (that would sync the GPU).
 """
@@ -223,7 +225,7 @@ def fused_grpo_token_loss(logits, ids, advantages, mask, old_logps=None, ref_log
              logps (B, T) fp32 detached;
              stats: dict of detached (B, T) tensors: is_clipped_low, is_clipped_high (bool),
                     kl (when beta != 0), entropy (when entropy_coef != 0)).
-    Reduce with loss.reduce_loss(per_token_loss, mask, loss_type, ...).
+    Reduce with loss.reduce_loss(per_token_loss, mask, loss_type, ...); loss.policy_loss does, for train.py.
     inplace_backward=True writes dlogits into the logits' storage (they are destroyed; peak memory is then
     the logits alone, as Liger's inplace=True): only when nothing reads the logits after this backward
     (no second backward through the graph). For the full saving the logits must not be a view: autograd

@@ -13,7 +13,7 @@ import torch
 
 import kernels.grpo as grpo
 from kernels import fused_grpo_token_loss
-from loss import entropy_from_logits, grpo_loss, reduce_loss, selective_log_softmax
+from loss import entropy_from_logits, grpo_loss, reduce_loss, selective_log_softmax, truncated_is_weight
 
 # numpy (the interpreter) warns on inf/NaN in the branch tl.where discards, and on the running max's
 # lowest-fp32 start overflowing to -inf when scaled by 1 / T > 1: both intended, see kernels/grpo.py
@@ -51,10 +51,12 @@ def run_reference(logits, ids, advantages, mask, old_logps, ref_logps, *, loss_t
                   epsilon_low=0.2, epsilon_high=0.2, beta=0.0, entropy_coef=0.0, sampling_logps=None, tis_cap=None):
     logps = selective_log_softmax(logits, ids, temperature)  # (B, T)
     entropies = entropy_from_logits(logits, temperature) if entropy_coef else None
+    is_weight = None
+    if tis_cap is not None:  # from old (or, on-policy, the current) and sampling logps, as loss.policy_loss does
+        is_weight = truncated_is_weight(logps.detach() if old_logps is None else old_logps, sampling_logps, tis_cap)
     loss, metrics = grpo_loss(logps, old_logps, ref_logps, advantages, mask, loss_type=loss_type,
                               epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta, entropies=entropies,
-                              entropy_coef=entropy_coef, sampling_logps=sampling_logps, tis_cap=tis_cap,
-                              **REDUCE[loss_type])
+                              entropy_coef=entropy_coef, is_weight=is_weight, **REDUCE[loss_type])
     return loss, logps.detach(), metrics
 
 
@@ -77,9 +79,8 @@ def compare(base, ids, advantages, mask, old_logps, ref_logps, sampling_logps=No
         sampling_logps=sampling_logps, tis_cap=tis_cap, **kwargs)
     (ref_grad,) = torch.autograd.grad(ref_loss, ref_base)
     is_weight = None
-    if tis_cap is not None:  # the constant weight loss.py builds from old (or the current) and sampling logps
-        old = ref_logps_out if old_logps is None else old_logps
-        is_weight = torch.clamp(torch.exp(old - sampling_logps), max=tis_cap)
+    if tis_cap is not None:  # the same constant weight as the reference's
+        is_weight = truncated_is_weight(ref_logps_out if old_logps is None else old_logps, sampling_logps, tis_cap)
     fused_base = base.detach().clone().requires_grad_()
     loss, per_token, logps, stats = run_fused(view(fused_base), ids, advantages, mask, old_logps, ref_logps,
                                               loss_type=loss_type, is_weight=is_weight, **kwargs)

