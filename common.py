@@ -9,9 +9,12 @@ together, flag ranges, the distributed set-up and the model load (FSDP2 / DDP).
 """
 import argparse
 import importlib
+import logging
 import math
 import os
 import random
+import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -86,6 +89,31 @@ def check_flags(args):
             fail(msg)
 
 
+def cosine_lr(it, total, lr, warmup):
+    """Linear warmup over `warmup` optimizer steps, then cosine from lr down to lr/10 at step `total`."""
+    if it < warmup:
+        return lr * (it + 1) / warmup
+    progress = (it - warmup) / max(1, total - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+_marks = []  # (phase, time it ended)
+
+
+def mark(phase):
+    """Note the end of a start-up phase (startup_line says how long each took)."""
+    _marks.append((phase, time.time()))
+
+
+def startup_line(t_launch):
+    """"start-up 21.3 s: imports, data 6.1 s, models 0.4 s, engine 9.8 s, first evaluation 5.0 s" (rank 0's)."""
+    t, parts = t_launch, []
+    for phase, end in _marks:
+        parts.append(f"{phase} {end - t:.1f} s")
+        t = end
+    return f"start-up {t - t_launch:.1f} s: " + ", ".join(parts)
+
+
 def all_ranks_ok(ok):
     """True iff every rank is ok: a rank that hit an error must not leave the others waiting in a collective."""
     if not ddp:
@@ -124,6 +152,10 @@ def setup(threads, dtype_name):
 
     disable_progress_bar()
     datasets.disable_progress_bars()
+    # vLLM's noise that asks nothing of the user: a Triton notice it logs before configuring its own logger (Python's
+    # last-resort handler prints it), and a deprecation warning from its own import (vLLM 0.32)
+    logging.getLogger("vllm").addHandler(logging.NullHandler())
+    warnings.filterwarnings("ignore", r"`torch.distributed.reduce_op` is deprecated", FutureWarning)
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
     if ddp:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")

@@ -68,20 +68,25 @@ def _entropy(rows, temperature):
 
 
 def _by_row_chunks(fn, logits, *row_args, chunk_rows=None):
-    """fn over chunks of rows of logits (B, T, V) -> (B, T), each chunk at most chunk_rows positions
-    of one sequence. Under autograd each chunk is checkpointed: its fp32 intermediates are recomputed
-    in backward (one extra forward per chunk) instead of being saved, so no full fp32 (B, T, V) copy
-    ever exists, in forward or backward."""
+    """fn over chunks of logits (B, T, V) -> (B, T), each chunk at most chunk_rows positions (default: as many as
+    fit in CHUNK_ELEMENTS fp32 numbers): whole sequences while one fits, else pieces of one sequence. Slices are
+    views (the caller's logits[:, :-1] is not contiguous, and reshape would copy all of it). With several chunks,
+    each one is checkpointed under autograd: its fp32 intermediates are recomputed in backward (one extra forward
+    per chunk) instead of being saved, so no fp32 copy of more than one chunk ever exists, in forward or backward.
+    One chunk (small V or a short batch, e.g. the default run's (256, 4, 22)) runs plainly: checkpointing every row
+    made that 500x slower (issue 14) and saves nothing the bound does not already allow."""
     B, T, V = logits.shape
     step = chunk_rows or max(1, CHUNK_ELEMENTS // V)
-
-    def chunked(x):  # unbind + split, not reshape: the caller's logits[:, :-1] is not contiguous and
-        # reshape would copy all of it; and their backward concatenates the chunk gradients once
-        return [c for row in x.unbind(0) for c in row.split(step)]
+    if B * T <= step:
+        return fn(logits, *row_args)  # (B, T)
+    if T <= step:  # k whole sequences per chunk
+        k = step // T
+        chunks = [[x[i:i + k] for x in (logits, *row_args)] for i in range(0, B, k)]
+    else:  # pieces of one sequence
+        chunks = list(zip(*([c for row in x.unbind(0) for c in row.split(step)] for x in (logits, *row_args))))
     save_nothing = torch.is_grad_enabled() and logits.requires_grad
-    out = [checkpoint(fn, *args, use_reentrant=False) if save_nothing else fn(*args)
-           for args in zip(chunked(logits), *map(chunked, row_args))]
-    return torch.cat(out).view(B, T)
+    out = [checkpoint(fn, *c, use_reentrant=False) if save_nothing else fn(*c) for c in chunks]
+    return torch.cat([o.reshape(-1) for o in out]).view(B, T)
 
 
 def selective_log_softmax(logits, ids, temperature=1.0, chunk_rows=None):

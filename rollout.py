@@ -189,6 +189,7 @@ class VLLMEngine(Engine):
         if distributed:
             llm_kwargs["distributed_executor_backend"] = "external_launcher"
         llm_kwargs.setdefault("enforce_eager", not torch.cuda.is_available())  # CPU: compiling only slows start-up
+        llm_kwargs.setdefault("use_tqdm_on_load", False)  # a one-shard bar, before the trainer's first line
         self.seed, self.calls, threads, set_num_threads = seed, 0, torch.get_num_threads(), torch.set_num_threads
         with private_rng(seed):  # LLM(seed=...) reseeds the global RNGs (random, numpy, torch): keep ours
             self.llm = LLM(model=model_path, seed=seed, dtype=dtype, max_model_len=max_model_len,

@@ -233,7 +233,7 @@ def encode_prompts(tokenizer, prompt_texts, conversational):
     one (Llama 3's <|begin_of_text|>), so its text is encoded with add_special_tokens=False, or BOS comes
     twice (open-r1 PR 462); plain text keeps the tokenizer's own BOS (TRL issue 3520: dropping it garbles
     Gemma's output)."""
-    return [tokenizer(t, add_special_tokens=not conversational)["input_ids"] for t in prompt_texts]
+    return tokenizer(list(prompt_texts), add_special_tokens=not conversational)["input_ids"]  # one batched call
 
 
 

@@ -31,14 +31,14 @@ Simplifications (each is a choice, not an accident):
 """
 import argparse
 import json
-import math
 import os
 import time
+t_launch = time.time()  # start-up phases are timed from here: see the "start-up" line
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch/vLLM import: vLLM forces 1 thread otherwise
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep vLLM's engine core in this process
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM logs every prefix-cache reset at INFO
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's ~20 start-up warnings ask nothing of the user
 
 import torch
 import torch.distributed as dist
@@ -48,8 +48,8 @@ from tqdm import tqdm
 import checkpoint
 import task
 from advantage import SCALE_REWARDS, compute_advantages
-from common import (all_ranks_ok, barrier, check_flags, ddp, fail, load_model, master, number, print0, rank,
-                    require, seed_all, setup, world, wrap_ddp)
+from common import (all_ranks_ok, barrier, check_flags, cosine_lr, ddp, fail, load_model, mark, master, number, print0,
+                    rank, require, seed_all, setup, startup_line, world, wrap_ddp)
 from loss import IS_LEVELS, LOSS_TYPES, policy_loss, resolve_impl, selective_log_softmax
 from reward import compute_rewards, get_reward_funcs
 from rollout import make_engine, pad_id, sequence_batch
@@ -159,6 +159,7 @@ try:
         for rows, what in ((train_rows, "train"), (eval_rows, "held-out")))
 except (ValueError, FileNotFoundError) as e:
     fail(str(e))
+mark("imports, data")
 seed_all(args.seed + rank)
 raw_model = load_model(model_path, dtype, device, args.fsdp)
 ref_model = None
@@ -167,6 +168,7 @@ if args.beta > 0:  # the reference is the initial policy, frozen (simplification
     ref_model = load_model(ref_path, dtype, device, args.fsdp).eval().requires_grad_(False)
 model = wrap_ddp(raw_model, device) if ddp and not args.fsdp else raw_model
 optimizer = torch.optim.AdamW(raw_model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+mark("models")
 try:
     engine = make_engine("server" if args.vllm_mode == "server" else args.engine, url=args.vllm_url,
                          model=raw_model, tokenizer=tokenizer, model_path=model_path,
@@ -181,16 +183,10 @@ start_step, opt_step = 0, 0
 if resume_from:  # RNG states last: engine start-up reseeds torch
     start_step, opt_step = checkpoint.restore(resume_from, saved, raw_model, optimizer, engine, device)
     print0(f"resuming from {resume_from} (step {start_step}); --resume no or another --out-dir starts over")
+mark("engine")
 print0(f"engine {type(engine).__name__}, {world} rank(s), device {device}, loss {loss_impl}, "
        f"{sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M params, {len(train_rows)} train prompts")
 wandb_run = wandb.init(project=args.wandb, config=vars(args)) if args.wandb and master else None
-
-
-def lr_at(it, total):
-    if it < args.warmup_steps:
-        return args.lr * (it + 1) / args.warmup_steps
-    progress = (it - args.warmup_steps) / max(1, total - args.warmup_steps)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
 def completion_logits(m, input_ids, attention_mask, position_ids, T):
@@ -240,6 +236,8 @@ if not resume_from:
     print0(f"step 0: held-out accuracy greedy {record['eval_greedy']:.3f} sampled {record['eval_sampled']:.3f}")
     if master:
         metrics_file.write(json.dumps(record) + "\n")
+    mark("first evaluation")
+print0(startup_line(t_launch))
 opt_steps_total = args.steps * args.num_iterations * (n_local // minibatch)
 t_start = time.time()
 for step in (bar := tqdm(range(start_step + 1, args.steps + 1), initial=start_step, total=args.steps,
@@ -282,7 +280,7 @@ for step in (bar := tqdm(range(start_step + 1, args.steps + 1), initial=start_st
     for _ in range(args.num_iterations):
         for mb in range(0, N, minibatch):
             for g in optimizer.param_groups:
-                g["lr"] = lr_at(opt_step, opt_steps_total)
+                g["lr"] = cosine_lr(opt_step, opt_steps_total, args.lr, args.warmup_steps)
             mb_tokens = completion_mask[mb:mb + minibatch].sum()
             num_items = None
             if args.loss_type == "dapo":  # tokens of the minibatch on all ranks / ranks, as DDP averages grads
@@ -326,10 +324,11 @@ for step in (bar := tqdm(range(start_step + 1, args.steps + 1), initial=start_st
     lengths = completion_mask.sum(1)  # (N,)
     record = dict(step=step, **reward_stats, **{k: sum(m[k] for m in step_metrics) / len(step_metrics) for k in step_metrics[0]},
                   adv_mean=advantages.mean().item(), adv_abs_mean=advantages.abs().mean().item(),
-                  grad_norm=grad_norm.item(), lr=lr_at(opt_step - 1, opt_steps_total),
+                  grad_norm=grad_norm.item(), lr=cosine_lr(opt_step - 1, opt_steps_total, args.lr, args.warmup_steps),
                   sampled_entropy=-(sampling_logps * completion_mask).sum().item() / completion_mask.sum().item(),
                   len_mean=lengths.mean().item(), len_min=lengths.min().item(), len_max=lengths.max().item(),
                   truncated=1 - rollout.is_finished.float().mean().item(),
+                  **({"mem_peak_gb": torch.cuda.max_memory_allocated() / 2**30} if device.type == "cuda" else {}),
                   **{f"time_{k}": v for k, v in times.items()},
                   tokens_per_s=lengths.sum().item() * world / times["rollout"], elapsed=time.time() - t_start)
     if (args.eval_every and step % args.eval_every == 0) or step == args.steps:

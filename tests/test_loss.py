@@ -32,7 +32,7 @@ def test_selective_log_softmax_matches_full_log_softmax_in_chunks(dtype):
     ids = torch.randint(50, (3, 7))
     full = (logits.float() / 0.7).log_softmax(-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # (3, 7)
     (grad_full,) = torch.autograd.grad(full.square().sum(), model_logits)
-    for chunk_rows in (None, 1, 4, 7):  # whole sequences, single rows, a ragged last chunk, exact fit
+    for chunk_rows in (None, 1, 4, 7, 14):  # all at once, positions, ragged pieces, one sequence, 2 (ragged)
         out = selective_log_softmax(logits, ids, 0.7, chunk_rows=chunk_rows)
         assert out.dtype == torch.float32
         torch.testing.assert_close(out, full, rtol=1e-6, atol=1e-6)
@@ -41,6 +41,24 @@ def test_selective_log_softmax_matches_full_log_softmax_in_chunks(dtype):
             torch.testing.assert_close(grad, grad_full, rtol=1e-5, atol=1e-5)
         else:  # the gradient is stored in bf16: equal up to one bf16 rounding
             torch.testing.assert_close(grad.float(), grad_full.float(), rtol=1e-2, atol=1e-3)
+
+
+def test_chunks_are_checkpointed_only_when_there_are_several(monkeypatch):
+    """One chunk runs plainly (the default run's tiny logits: checkpointing each row cost 500x); several chunks are
+    each checkpointed, so no fp32 copy of more than one chunk is kept for backward (the bound at V = 151,936)."""
+    import loss
+    calls = []
+    monkeypatch.setattr(loss, "checkpoint", lambda fn, *a, **kw: calls.append(1) or fn(*a))
+    logits = torch.randn(3, 7, 50, requires_grad=True)
+    ids = torch.randint(50, (3, 7))
+    for chunk_rows, expected in ((None, 0), (21, 0), (14, 2), (7, 3), (4, 6)):
+        calls.clear()
+        selective_log_softmax(logits, ids, chunk_rows=chunk_rows).sum().backward()
+        assert len(calls) == expected, (chunk_rows, len(calls))
+    monkeypatch.setattr(loss, "CHUNK_ELEMENTS", 7 * 50)  # the default bound: one sequence of V = 50 per chunk
+    calls.clear()
+    entropy_from_logits(logits).sum().backward()
+    assert len(calls) == 3
 
 
 def test_entropy_by_hand():
