@@ -120,7 +120,7 @@ def _check(loss_type, num_items, max_completion_length, importance_sampling_leve
         raise ValueError(f"importance_sampling_level={importance_sampling_level!r}: choose one of {IS_LEVELS}")
     if loss_type == "dapo" and num_items is None:
         raise ValueError("loss_type='dapo' divides by num_items: pass the number of unmasked completion "
-                         "tokens in the whole generation batch (all ranks, all accumulation steps)")
+                         "tokens of the whole minibatch (all ranks / W: see minibatch_tokens)")
     if loss_type == "dr_grpo" and max_completion_length is None:
         raise ValueError("loss_type='dr_grpo' divides by B * max_completion_length: pass max_completion_length")
 
@@ -160,7 +160,8 @@ def minibatch_tokens(mask):
 def entropy_bonus(entropies, mask, entropy_coef, num_items=None):
     """entropy_coef * the mean per-token entropy (over num_items tokens when given, else this batch's): subtracted
     from the loss, the same for every loss type."""
-    return entropy_coef * (entropies * mask.to(entropies.dtype)).sum() / _tokens(mask.to(entropies.dtype), num_items)
+    mask = mask.to(entropies.dtype)  # (B, T)
+    return entropy_coef * (entropies * mask).sum() / _tokens(mask, num_items)
 
 
 def truncated_is_weight(old_logps, sampling_logps, tis_cap):

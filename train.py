@@ -28,6 +28,8 @@ Simplifications (each is a choice, not an accident):
    cosine to lr/10 over all optimizer steps.
 4. A checkpoint holds everything a bit-exact resume needs (checkpoint.py); the data order is a pure function
    of seed and step.
+5. Mixed precision: --dtype is the compute dtype (autocast); the policy and AdamW stay fp32, the reference and the
+   rollout engine hold --dtype weights (common.py). Old and reference log-probs run micro-batch by micro-batch.
 """
 import argparse
 import json
@@ -112,7 +114,7 @@ add("--out-dir", default="out", help="metrics.jsonl, metrics.png, checkpoints, f
 add("--wandb", default=None, help="also log to this wandb project")
 add("--seed", type=number(int, 0), default=0)
 add("--threads", type=int_, default=1, help="torch CPU threads per rank (1 is fastest on small CPUs)")
-add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="compute dtype (weights stay fp32); auto: bf16 on CUDA")
+add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="compute dtype, weights stay fp32; auto: bf16 on CUDA")
 add("--fsdp", action="store_true", help="shard the policy (and reference) with FSDP2, per decoder layer")
 args = parser.parse_args()
 
