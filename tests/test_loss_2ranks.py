@@ -59,7 +59,8 @@ def main():
                                         loss_type=loss_type, **kw)
             loss.backward()
             micro_metrics.append(metrics)
-        logged = step_metrics(micro_metrics, [torch.tensor(1.0 + 2 * rank)])  # grad norms 1 and 3
+        # as if 2 optimizer steps: the loss is their mean, so each minibatch counts half of its micro-batches' sum
+        logged = step_metrics(micro_metrics * 2, [torch.tensor(1.0 + 2 * rank), torch.tensor(3.0 + 2 * rank)])
 
         one = copy.deepcopy(layer)  # one process, both ranks' completions as one minibatch
         flat = lambda x: x.reshape(world * n, *x.shape[2:])  # noqa: E731  (W, n, ...) -> (W * n, ...)
@@ -69,7 +70,7 @@ def main():
         torch.testing.assert_close(model.module.weight.grad, one.weight.grad, msg=lambda m: f"{loss_type}: {m}")
         for key in ("loss", "kl", "entropy", "ratio_mean"):
             assert abs(logged[key] - metrics[key]) < 1e-6, (loss_type, key, logged[key], metrics[key])
-        assert logged["grad_norm"] == 2.0
+        assert logged["grad_norm"] == 3.0  # rank 0's steps 1 and 3, rank 1's 3 and 5
     print(f"rank {rank} PASS", flush=True)
     dist.destroy_process_group()
 
