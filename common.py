@@ -11,8 +11,8 @@ forward to completion logits and log-probs, and the step's metrics over micro-ba
 Mixed precision, as PyTorch users expect: the policy's weights, gradients and AdamW states are fp32 and only the
 compute runs in --dtype (torch.autocast; FSDP2's MixedPrecisionPolicy casts the gathered weights and reduces
 gradients in fp32). bf16 weights updated in place lose every update below half a bf16 ulp of the weight: one
-step at lr 1e-6 moved 2.2% of the tiny model's weights. The frozen reference is stored in --dtype; the rollout engine gets the weights in
-its own dtype at each sync.
+step at lr 1e-6 moved 2.2% of the tiny model's weights. The frozen reference is stored in --dtype; the rollout
+engine gets the weights in its own dtype at each sync.
 """
 import argparse
 import importlib
