@@ -6,6 +6,7 @@ Benchmarks, one mode per stage; every figure is a ratio against a baseline measu
     python bench.py kernel --tiny    # the same script on tiny shapes under TRITON_INTERPRET=1 (CPU)
     python bench.py gpu              # the README's GPU figures in one run (one GPU, <= 8 min) -> bench_gpu.json
     python bench.py gpu --tiny       # the same code paths on CPU at toy sizes (CI runs it; ~1 min of CPU)
+    python bench.py memory           # peak RSS of one update step per --micro-batch-size, V = 151,936 (CPU)
 
 `gpu` runs three sections, each printed as it goes and written to --out (JSON) after each one. Models are built
 from configs (random init), nothing is downloaded. A section that fails or passes its deadline (its share of
@@ -19,9 +20,11 @@ from configs (random init), nothing is downloaded. A section that fails or passe
             (mem_peak_gb: trainer and in-process engine together), beside the engine's share from section 2.
 """
 import argparse
+import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -562,9 +565,67 @@ def bench_gpu(args):
     sys.exit(1 if failed else 0)
 
 
+def bench_memory(args):
+    """Peak RSS of one update step of a Qwen2.5-like model (tests/real_shapes.py: V = 151,936, tied, hidden 64) at
+    bf16 compute, as train.py runs it: old and reference log-probs, then forward, backward and AdamW over the
+    minibatch in micro-batches. Each (micro-batch size, minibatch) setting runs in a fresh process, and the peak is
+    the step's alone (VmHWM reset through /proc/self/clear_refs after set-up). The claim it checks: the peak grows
+    with --micro-batch-size, not with the number of completions."""
+    print(f"Qwen2.5-like model (V = 151,936), bf16 compute, {args.new_tokens} new tokens after a 32-token prompt")
+    print(f"{'micro':>5} {'completions':>11} | {'RSS before MB':>13} {'step peak MB':>12} {'growth MB':>9} "
+          f"{'logits of a micro-batch MB':>26}")
+    for micro, n in ((2, 16), (8, 16), (2, 32)):
+        cmd = [sys.executable, os.path.abspath(__file__), "_memory_step", "--micro", str(micro), "--completions",
+               str(n), "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
+        r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+        logits_mb = micro * (args.new_tokens + 1) * 151_936 * 2 / 2**20  # bf16 (micro, T+1, V)
+        print(f"{micro:>5} {n:>11} | {r['before']:13.0f} {r['peak']:12.0f} {r['peak'] - r['before']:9.0f} "
+              f"{logits_mb:26.0f}", flush=True)
+
+
+def _memory_step(args):  # one setting of bench_memory, in its own process
+    import tempfile
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
+    from transformers import AutoModelForCausalLM
+
+    from common import completion_logits, sequence_logps
+    from loss import minibatch_tokens, policy_loss
+    from real_shapes import qwen_like
+    from rollout import sequence_batch
+
+    def rss(field):  # MB, from /proc/self/status: VmRSS now, VmHWM the peak since the last reset
+        return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field)) / 1024
+
+    bf16, T = torch.bfloat16, args.new_tokens
+    with tempfile.TemporaryDirectory() as path:
+        model = qwen_like(path)  # fp32 policy in memory, bf16 on disk
+        ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=bf16).eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(4, 100, (args.completions, 32), generator=g).tolist()  # ids inside the tokenizer
+    completion_ids = torch.randint(4, 100, (args.completions, T), generator=g)  # (N, T)
+    mask, advantages = torch.ones(args.completions, T), torch.randn(args.completions, generator=g)
+    batch = sequence_batch(prompts, completion_ids, 0)
+    open("/proc/self/clear_refs", "w").write("5")  # reset the peak: only the step counts
+    before = rss("VmRSS")
+    old = sequence_logps(model, batch, completion_ids, 1.0, args.micro, bf16)  # (N, T)
+    ref = sequence_logps(ref_model, batch, completion_ids, 1.0, args.micro, bf16)  # (N, T)
+    tokens = minibatch_tokens(mask)
+    for i in range(0, args.completions, args.micro):
+        r = slice(i, i + args.micro)
+        logits = completion_logits(model, *(x[r] for x in batch), T, bf16)  # (micro, T, V)
+        loss, _ = policy_loss(logits, completion_ids[r], advantages[r], mask[r], old[r], ref[r], beta=0.04,
+                              minibatch_size=args.completions, minibatch_tokens=tokens)
+        loss.backward()
+        del logits, loss
+    optimizer.step()
+    print(json.dumps(dict(before=before, peak=rss("VmHWM"))))
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["rollout", "kernel", "gpu"])
+    parser.add_argument("mode", choices=["rollout", "kernel", "gpu", "memory", "_memory_step"])
     parser.add_argument("--tiny", action="store_true", help="small shapes, CPU-runnable (checks the script itself)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed repeats per figure (median reported); default 5 (gpu: 1 for rollouts, "
@@ -579,8 +640,12 @@ if __name__ == "__main__":
                         "rollout and train (default: train.py's 0.3; --tiny on CPU: about 3 GB of the RAM)")
     parser.add_argument("--engine", default=None, choices=["auto", "vllm", "hf"],
                         help="gpu: train.py's --engine (default: vllm with --tiny, else auto: vLLM when installed)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="memory: completion length")
+    parser.add_argument("--micro", type=int, default=2, help=argparse.SUPPRESS)  # _memory_step: one setting
+    parser.add_argument("--completions", type=int, default=16, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.mode != "gpu":
         args.repeats = args.repeats or 5
-    {"rollout": bench_rollout, "kernel": bench_kernel, "gpu": bench_gpu}[args.mode](args)
+    {"rollout": bench_rollout, "kernel": bench_kernel, "gpu": bench_gpu, "memory": bench_memory,
+     "_memory_step": _memory_step}[args.mode](args)

@@ -1,11 +1,18 @@
 """Small helpers train.py needs and that are not a stage: rank-0 printing, one-line errors that stop every rank
-together, flag ranges, the distributed set-up and the model load (FSDP2 / DDP).
+together, flag ranges, the distributed set-up, the model load (FSDP2 / DDP, mixed precision), the model's
+forward to completion logits and log-probs, and the step's metrics over micro-batches and ranks.
 
     rank, world, master, ddp   from torchrun's environment (RANK, WORLD_SIZE); 0, 1, True, False alone
     print0(...)                print on rank 0 only
     fail(msg)                  "error: msg" and exit 2, on every rank (no rank is left waiting in a collective)
     all_ranks_ok(ok)           True iff every rank is ok (a MIN all-reduce)
     number(int, 1)             an argparse type: a finite number in a range, else one clear line
+
+Mixed precision, as PyTorch users expect: the policy's weights, gradients and AdamW states are fp32 and only the
+compute runs in --dtype (torch.autocast; FSDP2's MixedPrecisionPolicy casts the gathered weights and reduces
+gradients in fp32). bf16 weights updated in place lose every update below half a bf16 ulp of the weight: one
+step at lr 1e-6 moved 2.2% of the tiny model's weights. The frozen reference is stored in --dtype; the rollout
+engine gets the weights in its own dtype at each sync.
 """
 import argparse
 import importlib
@@ -18,6 +25,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
+
+from loss import selective_log_softmax
 
 rank = int(os.environ.get("RANK", 0))
 world = int(os.environ.get("WORLD_SIZE", 1))
@@ -167,18 +176,57 @@ def setup(threads, dtype_name):
     return device, dtype
 
 
-def load_model(path, dtype, device, fsdp=False):
-    """Full weights on the CPU; with fsdp each decoder layer is then sharded over the ranks (FSDP2), so only
+def load_model(path, dtype, device, fsdp=False, frozen=False):
+    """The trainable policy in fp32 (master weights: see the module docstring), a frozen model (the reference) in
+    dtype. Full weights on the CPU; with fsdp each decoder layer is then sharded over the ranks (FSDP2), so only
     this rank's shard moves to the device: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html"""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype if frozen else torch.float32)
     if fsdp:
+        mixed = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)  # compute in dtype, reduce fp32
         for layer in m.model.layers:
-            fully_shard(layer)
-        fully_shard(m)
+            fully_shard(layer, mp_policy=mixed)
+        fully_shard(m, mp_policy=mixed)
     return m.to(device)
+
+
+def completion_logits(model, input_ids, attention_mask, position_ids, T, dtype=torch.float32):
+    """Logits that predict the T completion tokens: (B, T, V), a view with no copy (position t predicts token t).
+    The forward runs under autocast to dtype: matmuls (and the logits) in bf16, weights untouched."""
+    with torch.autocast(input_ids.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       logits_to_keep=T + 1).logits  # (B, T+1, V)
+    return logits[:, :-1]  # (B, T, V)
+
+
+@torch.no_grad()
+def sequence_logps(model, batch, completion_ids, temperature, micro, dtype=torch.float32):
+    """Per-token log-probs (N, T) of the completions under model (the old policy's, the reference's), micro
+    sequences per forward: like the update's, the logits alive at once are (micro, T+1, V), not (N, T+1, V)."""
+    N, T = completion_ids.shape
+    return torch.cat([selective_log_softmax(completion_logits(model, *(x[i:i + micro] for x in batch), T, dtype),
+                                            completion_ids[i:i + micro], temperature)
+                      for i in range(0, N, micro)])  # (N, T)
+
+
+def step_metrics(micro_metrics, grad_norms):
+    """The step's logged numbers, unchanged by --micro-batch-size and the same on every rank: "loss" is the minibatch
+    loss (the sum of its micro-batches' shares) averaged over the step's optimizer steps and over the ranks (as DDP
+    averages gradients), grad_norm the mean over the optimizer steps, and every other metric (micro-batch token
+    means) a token mean over the whole step on every rank, weighted by each micro-batch's "tokens"."""
+    keys = [k for k in micro_metrics[0] if k not in ("loss", "tokens")]
+    tokens = [m["tokens"] for m in micro_metrics]
+    values = torch.tensor([sum(m[k] * t for m, t in zip(micro_metrics, tokens)) for k in keys] + [
+        sum(tokens), sum(m["loss"] for m in micro_metrics) / len(grad_norms),
+        torch.stack(grad_norms).float().mean().item()], dtype=torch.float64)
+    if ddp:
+        values = values.to(f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(values)
+        values = values.cpu() / torch.tensor([1.0] * (len(keys) + 1) + [world, world], dtype=torch.float64)
+    return dict({k: (v / values[-3]).item() for k, v in zip(keys, values)}, loss=values[-2].item(),
+                grad_norm=values[-1].item())
 
 
 def wrap_ddp(model, device):

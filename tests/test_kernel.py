@@ -56,7 +56,10 @@ def run_reference(logits, ids, advantages, mask, old_logps, ref_logps, *, loss_t
         is_weight = truncated_is_weight(logps.detach() if old_logps is None else old_logps, sampling_logps, tis_cap)
     loss, metrics = grpo_loss(logps, old_logps, ref_logps, advantages, mask, loss_type=loss_type,
                               epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta, entropies=entropies,
-                              entropy_coef=entropy_coef, is_weight=is_weight, **REDUCE[loss_type])
+                              is_weight=is_weight, **REDUCE[loss_type])
+    if entropy_coef:  # the kernel folds -entropy_coef * H_t into its per-token loss, so the loss type reduces it
+        # too (loss.policy_loss runs the kernel without it and adds grpo_loss's mean-entropy bonus instead)
+        loss = loss - entropy_coef * reduce_loss(entropies, mask, loss_type, **REDUCE[loss_type])
     return loss, logps.detach(), metrics
 
 

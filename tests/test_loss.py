@@ -178,6 +178,40 @@ def test_entropy_bonus():
     torch.testing.assert_close(ent.grad, torch.tensor([[-0.05, -0.05]]))
 
 
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_entropy_bonus_is_the_mean_token_entropy_whatever_the_loss_type(loss_type):
+    """Sequences of 1 and 3 tokens, entropies 1 and (2, 3, 4): the bonus is 0.1 x the token mean 2.5 for every loss
+    type (inside the per-token loss, dr_grpo would give 0.1 x 10 / (2 x 8) and grpo 0.1 x mean(1, 3) = 0.2)."""
+    ent = torch.tensor([[1.0, 0.0, 0.0], [2.0, 3.0, 4.0]], requires_grad=True)
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
+    loss, m = grpo_loss(torch.zeros(2, 3), None, None, torch.zeros(2), mask, loss_type=loss_type, entropies=ent,
+                        entropy_coef=0.1, num_items=4 if loss_type == "dapo" else None, max_completion_length=8)
+    assert loss.item() == pytest.approx(-0.25) and m["entropy"] == pytest.approx(2.5)
+    loss.backward()
+    torch.testing.assert_close(ent.grad, -0.1 / 4 * mask.float())
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_micro_batch_losses_add_up_to_the_minibatch_loss(loss_type):
+    """policy_loss over micro-batches of 1, 2 or 4 sequences: the losses (and gradients) sum to the whole
+    minibatch's, entropy bonus and KL included; the logged loss of the minibatch is that sum."""
+    (logits, *rest), kw = _micro_batch(OPTIONS["all"])
+    kw["minibatch_size"], kw["minibatch_tokens"] = 4, rest[2].sum()  # the 4 sequences are the whole minibatch
+    totals = []
+    for micro in (4, 2, 1):
+        loss, grad = 0.0, torch.zeros_like(logits)
+        for i in range(0, 4, micro):
+            part = (logits[i:i + micro], *(x[i:i + micro] for x in rest))
+            share, metrics = policy_loss(*part, loss_type=loss_type, **kw)
+            assert metrics["loss"] == pytest.approx(share.item()) and metrics["tokens"] == part[3].sum().item()
+            grad[i:i + micro] += torch.autograd.grad(share, logits)[0][i:i + micro]
+            loss += share.item()
+        totals.append((loss, grad))
+    for loss, grad in totals[1:]:
+        assert loss == pytest.approx(totals[0][0], rel=1e-6)
+        torch.testing.assert_close(grad, totals[0][1])
+
+
 # ---- grpo_loss: gradients ---------------------------------------------------------------------
 
 def _gradcheck_inputs():
@@ -280,21 +314,19 @@ def _micro_batch(options, n=4, T=3, V=64, device="cpu"):
     ids, advantages, mask, old, ref, sampling = (x.to(device) for x in (ids, advantages, mask, old, ref, sampling))
     tensors = (logits, ids, advantages, mask, old if options.get("old", True) else None, ref, sampling)
     kw = {k: v for k, v in options.items() if k != "old"}
-    return tensors, dict(kw, minibatch_size=2 * n, minibatch_tokens=mask.sum() + 5,
-                         num_items=torch.tensor(11.0, device=device), max_completion_length=T + 2)
+    return tensors, dict(kw, minibatch_size=2 * n, minibatch_tokens=mask.sum() + 5, max_completion_length=T + 2)
 
 
 def _inline(logits, ids, advantages, mask, old, ref, sampling, *, minibatch_size, minibatch_tokens, loss_type,
             temperature=1.0, entropy_coef=0.0, tis_cap=0.0, **kw):
-    """train.py's micro-batch step before policy_loss, verbatim but for the TIS weight's new home."""
+    """The micro-batch step spelled out with loss.py's reference pieces: what policy_loss must compute."""
     logps = selective_log_softmax(logits, ids, temperature)  # (n, T)
     entropies = entropy_from_logits(logits, temperature) if entropy_coef else None  # (n, T)
     w = torch.clamp(torch.exp((logps.detach() if old is None else old) - sampling), max=tis_cap).detach()
     loss, metrics = grpo_loss(logps, old, ref, advantages, mask, loss_type=loss_type, entropies=entropies,
-                              entropy_coef=entropy_coef, is_weight=w if tis_cap else None, **kw)
-    share = {"grpo": logits.size(0) / minibatch_size, "dr_grpo": logits.size(0) / minibatch_size, "dapo": 1.0,
-             "bnpo": (mask.sum() / minibatch_tokens.clamp(min=1)).item()}[loss_type]
-    return loss * share, dict(metrics, loss=loss.item())
+                              entropy_coef=entropy_coef, is_weight=w if tis_cap else None,
+                              num_sequences=minibatch_size, num_items=minibatch_tokens, **kw)
+    return loss, dict(metrics, loss=loss.item(), tokens=mask.sum().item())
 
 
 @pytest.mark.parametrize("loss_type, options", list(itertools.product(LOSS_TYPES, OPTIONS)))

@@ -89,12 +89,13 @@ def test_kill_and_resume_is_bit_identical(nproc, extra, tmp_path):
 
 
 def test_non_finite_gradient_stops_with_last_good_checkpoint(tmp_path):
-    # lr 1e30 sends the weights to ~1e30 after step 1; step 2's forward then overflows to inf/NaN
+    # step 2's rewards (1e38, unscaled) overflow its gradient norm to inf. (lr 1e30, which sent the weights to 1e30,
+    # was luck: whether HF generate's sampling or the update met the overflow first depended on the weights.)
     rc, out, records = run_train(["--engine", "hf", "--steps", "4", "--save-every", "1", "--eval-every", "0",
-                                  "--eval-size", "8", "--prompts-per-step", "8", "--lr", "1e30", "--warmup-steps", "0"],
-                                 tmp_path, check=False)
-    assert rc != 0 and "non-finite loss or gradient at step" in out, out[-2000:]
-    assert "last good checkpoint" in out and "step_00000" in out
+                                  "--eval-size", "8", "--prompts-per-step", "8", "--scale-rewards", "none",
+                                  "--rewards", "bad_rewards.huge_from_step_2"], tmp_path, check=False)
+    assert rc != 0 and "non-finite loss or gradient at step 2 " in out, out[-2000:]
+    assert "last good checkpoint" in out and "step_000001" in out
     for ckpt in glob.glob(str(tmp_path / "checkpoints" / "step_*")):
         weights = load_file(os.path.join(ckpt, "model", "model.safetensors"))
         assert all(t.isfinite().all() for t in weights.values()), ckpt

@@ -84,6 +84,8 @@ def test_think_format_reward():
              "preamble <think>a</think>72": 0.0,
              "<think>a<think>nested</think>72": 0.0,
              "<think>a</think>72<think>again</think>": 0.0,
+             "<think>a</think>72</think>": 0.0,      # a stray closing tag (TRL: 1.0)
+             "<think>a</think>  \n": 0.0,          # a blank answer (TRL: 1.0)
              "": 0.0}
     assert think_format_reward(list(cases)) == list(cases.values())
     assert think_format_reward([chat("<think>a</think>b")]) == [1.0]
@@ -150,3 +152,16 @@ def test_compute_rewards_accepts_numbers_of_any_kind_and_reports_raising_functio
         compute_rewards([accuracy_reward], ["p"], ["a"])  # the dataset has no solution column
     with pytest.raises(RuntimeError, match="accuracy_reward raised ValueError.*zip"):
         compute_rewards([accuracy_reward], ["p", "p"], ["a", "b"], solution=["1"])  # one gold for two completions
+
+
+def test_math_rewards_from_worker_threads():
+    """Off the main thread math-verify's SIGALRM timeouts cannot run (a reward server, a thread pool): the rewards
+    switch them off and still score. The first gold is parsed (and cached) on the main thread first, the second
+    only in the pool: both paths used to fail (None, or math-verify's ValueError)."""
+    from concurrent.futures import ThreadPoolExecutor
+    cases = [(["\\boxed{72}", "The answer is 5."], [GSM8K_GOLD] * 2, [1.0, 0.0]),
+             (["so 19", "it is 18"], ["#### 19"] * 2, [1.0, 0.0])]
+    assert accuracy_reward(*cases[0][:2]) == cases[0][2]  # on the main thread: caches the first gold
+    with ThreadPoolExecutor(2) as pool:
+        assert [pool.submit(accuracy_reward, c, s).result() for c, s, _ in cases] == [e for _, _, e in cases]
+        assert pool.submit(reasoning_accuracy_reward, ["<think>5</think>72"], [GSM8K_GOLD]).result() == [1.0]

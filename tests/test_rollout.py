@@ -30,13 +30,15 @@ def vllm_engine(tiny):
     engine.close()  # once per process: it tears down vLLM's global state (rollout.py simplification 6)
 
 
-def perturbed(model, seed):
-    """A copy of the trainer model with every parameter moved (as an optimizer step would)."""
+def perturbed(model, seed, scale=0.05, only=""):
+    """A copy of the trainer model with every parameter (whose name contains `only`) moved, as an optimizer step
+    would move it."""
     model = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+        for name, p in model.named_parameters():
+            if only in name:
+                p.add_(scale * torch.randn(p.shape, generator=gen))
     return model
 
 

