@@ -6,7 +6,9 @@ called once per batch with keywords: completions (N strings, or N conversations
 [{"role": "assistant", "content": ...}]), prompts, completion_ids (N lists of token ids) and every
 other dataset column (e.g. solution), each a list of N. None means "no opinion on this sample"
 (e.g. the gold answer does not parse): advantage.py skips it instead of counting it as 0.
-compute_rewards stacks the F functions into an (N, F) tensor, NaN where a function said None.
+compute_rewards stacks the F functions into an (N, F) tensor, NaN where a function said None. It calls each
+function in a worker thread with a time limit (train.py --reward-timeout): a function that hangs, raises, or exits
+(SystemExit, KeyboardInterrupt) ends the run with its name, on every rank, instead of a hang or a silent exit.
 
 Built-ins (REWARD_FUNCS, picked by name on the command line):
     accuracy_reward            1 if math-verify finds the answer equal to the gold, else 0
@@ -27,7 +29,8 @@ Simplifications:
 1. A conversation is scored by the content of its last message.
 2. math-verify parses with its default extraction (LaTeX, \\boxed{} first, then plain expressions),
    so "The answer is 1,234." counts like \\boxed{1234}; TRL's accuracy_reward accepts only LaTeX.
-3. math-verify's timeouts use SIGALRM: call these rewards from the main thread.
+3. math-verify's own timeouts use SIGALRM, which only the main thread may arm: off it (compute_rewards' worker
+   threads) they are off, and the reward's time limit bounds the whole call instead.
 4. math-verify extracts no number glued to ">" ("</think>72" reads like "x>72"): for thinking models
    use reasoning_accuracy_reward, which scores only the text after "</think>".
 5. A reward model sees the dataset's prompt (the question, as in TRL), not the policy's rendered text,
@@ -39,6 +42,7 @@ import math
 import numbers
 import os
 import re
+import threading
 
 import torch
 from math_verify import parse, verify
@@ -55,6 +59,11 @@ def _text(completion):
     raise TypeError(f"a completion must be a string or a list of {{'role', 'content'}} messages, got {completion!r:.80}")
 
 
+def _timeout(seconds):
+    """math-verify's timeout: SIGALRM only works on the main thread (elsewhere math-verify fails on every call)."""
+    return seconds if threading.current_thread() is threading.main_thread() else None
+
+
 @functools.lru_cache(maxsize=4096)  # each gold repeats G times in a batch
 def _parse_gold(solution):
     # GSM8K golds are "<worked solution with <<48/2=24>> calculator notes>\n#### 1,234". math-verify
@@ -63,7 +72,7 @@ def _parse_gold(solution):
     # math-verify's own GSM8K task does (math_verify/tasks.py splits on "####").
     if "####" in solution:
         solution = solution.split("####")[-1].strip().split("\n")[0]
-    return parse(solution.strip())
+    return parse(solution.strip(), parsing_timeout=_timeout(5))
 
 
 def _score(solution, answer_text):
@@ -74,7 +83,7 @@ def _score(solution, answer_text):
     if not gold:
         return None
     try:
-        return float(verify(gold, parse(answer_text)))
+        return float(verify(gold, parse(answer_text, parsing_timeout=_timeout(5)), timeout_seconds=_timeout(5)))
     except Exception:  # a comparison math-verify cannot do (timeout, sympy error): no opinion
         return None
 
@@ -204,16 +213,37 @@ def get_reward_funcs(names):
     return funcs
 
 
-def compute_rewards(funcs, prompts, completions, **columns):
-    """Call each function once on the batch -> rewards (N, F) float32, NaN where it returned None."""
+def _call(fn, name, timeout, kwargs):
+    """fn(**kwargs) in a daemon thread, waited on for timeout seconds (None: forever): a function that hangs can
+    neither hold the run nor block its exit, and one that exits (SystemExit, KeyboardInterrupt: any BaseException)
+    is reported by name instead of ending the run without a word."""
+    result = {}
+
+    def run():
+        try:
+            result["values"] = fn(**kwargs)
+        except BaseException as e:  # SystemExit in a thread would end only the thread, silently
+            result["error"] = e
+    worker = threading.Thread(target=run, name=f"reward {name}", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise RuntimeError(f"reward function {name} did not return within {timeout:g} s: make it faster, or raise "
+                           f"--reward-timeout")
+    if "error" in result:
+        e = result["error"]
+        raise RuntimeError(f"reward function {name} raised {type(e).__name__}: {e}") from e
+    return result["values"]
+
+
+def compute_rewards(funcs, prompts, completions, timeout=None, /, **columns):
+    """Call each function once on the batch, in a thread, for at most timeout seconds each -> rewards (N, F)
+    float32, NaN where it returned None. RuntimeError / ValueError naming the function when it fails."""
     N = len(completions)
     rewards = torch.full((N, len(funcs)), math.nan)  # (N, F)
     for f, fn in enumerate(funcs):
         name = getattr(fn, "__name__", repr(fn))
-        try:
-            values = fn(prompts=prompts, completions=completions, **columns)
-        except Exception as e:
-            raise RuntimeError(f"reward function {name} raised {type(e).__name__}: {e}") from e
+        values = _call(fn, name, timeout, dict(prompts=prompts, completions=completions, **columns))
         if not isinstance(values, (list, tuple)) or len(values) != N:
             got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"{values!r:.80}"
             raise ValueError(f"reward function {name} must return a list of {N} floats or None "
@@ -222,8 +252,8 @@ def compute_rewards(funcs, prompts, completions, **columns):
             if v is None:
                 continue
             is_number = isinstance(v, numbers.Real) or (isinstance(v, torch.Tensor) and v.numel() == 1)
-            if not is_number or not math.isfinite(float(v)):
+            if not is_number or not abs(float(v)) <= torch.finfo(torch.float32).max:  # NaN, inf, 1e39 (float32)
                 raise ValueError(f"reward function {name} returned {v!r:.80} for completion {i} "
-                                 f"({_text(completions[i])!r:.80}): return a finite float, or None for no opinion")
+                                 f"({_text(completions[i])!r:.80}): return a finite float32, or None for no opinion")
             rewards[i, f] = float(v)
     return rewards
