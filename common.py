@@ -6,12 +6,15 @@ together, flag ranges, the distributed set-up and the model load (FSDP2 / DDP).
     fail(msg)                  "error: msg" and exit 2, on every rank (no rank is left waiting in a collective)
     all_ranks_ok(ok)           True iff every rank is ok (a MIN all-reduce)
     number(int, 1)             an argparse type: a finite number in a range, else one clear line
+    setup(threads, dtype)      process group, device, threads; under torchrun, stop when the launcher dies
 """
 import argparse
 import importlib
 import math
 import os
 import random
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -124,6 +127,7 @@ def setup(threads, dtype_name):
 
     disable_progress_bar()
     datasets.disable_progress_bars()
+    watch_launcher()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
     if ddp:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -135,13 +139,36 @@ def setup(threads, dtype_name):
     return device, dtype
 
 
+def watch_launcher(poll_s=1.0):
+    """Under torchrun (or another launcher that sets LOCAL_RANK), end this worker when its launcher dies: kill -9
+    of the agent leaves the workers training on, unseen, into an out-dir a relaunch then finds locked. A daemon
+    thread compares os.getppid() with its value at start; the exit is abrupt (os._exit), which loses at most the
+    step in flight: checkpoints are atomic and a torn metrics line is dropped on resume."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_RANK" not in os.environ:
+        return
+    launcher = os.getppid()
+
+    def watch():
+        while os.getppid() == launcher:
+            time.sleep(poll_s)
+        try:
+            print(f"error (rank {rank}): the launcher (pid {launcher}) is gone: stopping this worker", flush=True)
+        finally:
+            os._exit(3)
+    threading.Thread(target=watch, name="watch_launcher", daemon=True).start()
+
+
 def load_model(path, dtype, device, fsdp=False):
     """Full weights on the CPU; with fsdp each decoder layer is then sharded over the ranks (FSDP2), so only
-    this rank's shard moves to the device: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html"""
+    this rank's shard moves to the device: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
+    ValueError naming the folder when its weights do not load (missing, cut short, another shape)."""
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    try:
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except Exception as e:  # OSError (no weights), SafetensorError (cut short), RuntimeError (shapes), ...
+        raise ValueError(f"model {path!r}: cannot load its weights ({str(e).strip().splitlines()[0]})") from None
     if fsdp:
         for layer in m.model.layers:
             fully_shard(layer)

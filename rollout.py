@@ -249,7 +249,8 @@ class HFEngine(Engine):
         # Pass every filter explicitly: HF's defaults (top_k=50) or the checkpoint's generation_config
         # would otherwise apply silently and the logprobs would not be what the trainer expects.
         sampling = dict(do_sample=False) if temperature == 0 else dict(
-            do_sample=True, temperature=temperature, top_p=top_p, top_k=max(top_k or 0, 0), min_p=min_p)
+            do_sample=True, temperature=temperature, top_p=top_p, top_k=max(top_k or 0, 0), min_p=min_p,  # diverged
+            logits_processor=[lambda ids, s: s.nan_to_num(0.0).clamp(-1e30, 1e30)])  # weights: the grad check stops
         # FSDP2 all-gathers in every forward: ranks must take the same number of steps (HF synced_gpus).
         synced = dist.is_initialized() and any(isinstance(p, DTensor) for p in model.parameters())
         was_training = model.training
