@@ -11,3 +11,16 @@ def non_number(completions, **kw):
 
 def raising(completions, **kw):
     raise KeyError("no column 'answer'")
+
+
+def exiting(completions, **kw):
+    raise SystemExit(0)  # today's trap: the run would end with exit code 0, no model and no message
+
+
+def stuck_on_rank_1(completions, **kw):
+    """Never returns on rank 1 (a reward that hangs on one rank): --reward-timeout must end the job."""
+    import os
+    import time
+    if os.environ.get("RANK") == "1":
+        time.sleep(3600)
+    return [0.0] * len(completions)
