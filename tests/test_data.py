@@ -210,7 +210,7 @@ def broken_model(kind, tiny, tmp_path):
     ("header cut short", "model.safetensors is damaged or cut short"),
     ("missing shard", "shard model-00002-of-00002.safetensors named in model.safetensors.index.json is missing"),
     ("tokenizer larger than the embedding, no pad", r"its tokenizer has 98 tokens but the model's embedding has 19 rows"),
-]
+])
 def test_load_tokenizer_refuses_a_model_folder_that_would_crash_later(kind, message, tiny, tmp_path):
     path = broken_model(kind, tiny, tmp_path)
     with pytest.raises(ValueError, match=f"--model {re.escape(repr(path))}: {message}"):
