@@ -80,6 +80,8 @@ def check_flags(args):
          f"--model {args.model!r}: no such directory (give a local save_pretrained folder or a hub id like org/name)"),
         (len(args.reward_weights) == len(args.rewards), f"--reward-weights has {len(args.reward_weights)} values for "
                                                         f"{len(args.rewards)} --rewards: give one per reward"),
+        (any(args.reward_weights), "--reward-weights are all 0: every advantage would be 0 and nothing learned; give a "
+                                   "reward a non-zero weight"),
         (n_local == 0 or not (n_local % minibatch or minibatch % micro),  # n_local 0: said above
          f"--micro-batch-size {micro} must divide --minibatch-size {minibatch}, which must divide the {n_local} "
          f"completions per rank per step (prompts-per-step / ranks * G)"),

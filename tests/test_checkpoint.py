@@ -172,6 +172,7 @@ def test_a_dead_run_cannot_hold_the_lock(tmp_path):
             signal.pause()
         finally:
             os._exit(0)
+    os.close(write)  # so that the read below ends if the child dies without a word
     try:
         assert os.read(read, 1) == b"1"
         assert f"pid {pid} " in checkpoint.lock(str(tmp_path))

@@ -5,6 +5,8 @@ import os
 
 import pytest
 
+import task
+from common import check_flags
 from helpers import run_train, train_parser
 
 FAST = ["--engine", "hf", "--steps", "1", "--eval-size", "8"]
@@ -83,23 +85,41 @@ def test_good_flags_parse(parser):
     assert args.reward_timeout == 300
 
 
-CASES = {  # name: (extra args, expected text in the error line): train.py end to end, a subprocess each
+RULE_CASES = {  # name: (args, expected text): the rules between flags (common.check_flags), in-process
+    "weights count": (["--rewards", "exact_match_reward", "--reward-weights", "1", "2"], "--reward-weights has 2 values"),
+    "weights all zero": (["--reward-weights", "0", "0"], "--reward-weights are all 0: every advantage would be 0"),
+    "micro does not divide": (["--micro-batch-size", "7"], "must divide --minibatch-size"),
+    "triton + sequence IS": (["--loss-impl", "triton", "--importance-sampling-level", "sequence"], "token only"),
+    "model path missing": (["--model", "/no/such/model"], "no such directory"),
+    "fsdp on one process": (["--fsdp"], "--fsdp shards over ranks"),
+}
+
+
+@pytest.mark.parametrize("name", RULE_CASES)
+def test_bad_flag_combination(name, parser, capsys):
+    """train.py's validation block in-process: parse, fill the task defaults, check the rules between flags."""
+    argv, expected = RULE_CASES[name]
+    args = parser.parse_args(argv)
+    for k, v in task.defaults(args.dataset is None, args.model is None, args.task_digits, args.rewards).items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    with pytest.raises(SystemExit) as e:
+        check_flags(args)
+    out = capsys.readouterr().out
+    assert e.value.code == 2 and out.startswith("error: ") and expected in out and out.count("\n") == 1, out
+
+
+CASES = {  # name: (extra args, expected text in the error line): train.py end to end, a subprocess each (the
+    # messages of get_reward_funcs and compute_rewards are also tested in-process: tests/test_reward.py)
     "G<2 (argparse, end to end)": (["--G", "1"], "argument --G: must be >= 2 (a group needs two completions"),
     "unknown reward": (["--rewards", "nope_reward"], "unknown reward function 'nope_reward'"),
-    "reward path does not import": (["--rewards", "no_such_pkg.fn"], "cannot import it"),
-    "weights count": (["--rewards", "exact_match_reward", "--reward-weights", "1", "2"], "--reward-weights has 2 values"),
-    "reward wrong count": (["--rewards", "bad_rewards.wrong_count"], "wrong_count must return a list of 256"),
-    "reward non-number": (["--rewards", "bad_rewards.non_number"], "non_number returned 'yes'"),
     "reward raises": (["--rewards", "bad_rewards.raising"], "raising raised KeyError"),
     "reward exits": (["--rewards", "bad_rewards.exiting"], "reward function exiting raised SystemExit: 0"),
     "all prompts too long": (["--max-prompt-len", "2"], "longer than --max-prompt-len 2"),
     "max_new_tokens above the context": (["--max-new-tokens", "64"], "--max-new-tokens 64 leaves no room for a prompt "
                                                                      "in the model's context of 64 tokens: lower it"),
-    "micro does not divide": (["--micro-batch-size", "7"], "must divide --minibatch-size"),
-    "triton + sequence IS": (["--loss-impl", "triton", "--importance-sampling-level", "sequence"], "token only"),
-    "model path missing": (["--model", "/no/such/model"], "no such directory"),
+    "micro does not divide (check_flags, end to end)": (["--micro-batch-size", "7"], "must divide --minibatch-size"),
     "resume without checkpoint": (["--resume", "yes"], "no checkpoint under"),
-    "fsdp on one process": (["--fsdp"], "--fsdp shards over ranks"),
 }
 
 
