@@ -62,8 +62,9 @@ def check_out_dir(out_dir):
     error = None
     try:
         os.makedirs(out_dir, exist_ok=True)
-        open(os.path.join(out_dir, f".write_test_{rank}"), "w").close()
-        os.remove(os.path.join(out_dir, f".write_test_{rank}"))
+        probe = os.path.join(out_dir, f".write_test_{rank}_{os.getpid()}")  # its own name: two runs may race here
+        open(probe, "w").close()
+        os.remove(probe)
     except OSError as e:
         error = f"--out-dir {out_dir!r} is not writable ({e.strerror}): choose another --out-dir"
     if error is None and master:
@@ -242,6 +243,8 @@ def open_metrics(path, keep_until, log=print):
     Records of steps after the checkpoint are dropped (they are redone), so is a torn line (a crash mid-write);
     both are said. The cut file replaces the old one in one rename: a crash now loses nothing."""
     kept, dropped, torn = [], 0, 0
+    if keep_until is not None and not os.path.exists(path):
+        log(f"warning: {path} is missing: the records up to step {keep_until} are lost, the run goes on without them")
     if keep_until is not None and os.path.exists(path):
         for line in open(path):
             try:

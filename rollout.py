@@ -246,11 +246,11 @@ class HFEngine(Engine):
         model, no_completions = unwrap(self.model), torch.zeros(len(prompt_ids), 0, dtype=torch.long)  # (B, 0)
         batch = sequence_batch(prompt_ids, no_completions, self.pad_id)  # the prompts, left-padded
         input_ids, attention_mask = batch[0].to(model.device), batch[1].to(model.device)  # (B, P)
-        # Pass every filter explicitly: HF's defaults (top_k=50) or the checkpoint's generation_config
-        # would otherwise apply silently and the logprobs would not be what the trainer expects.
+        # Every filter explicitly (HF's top_k=50 or the checkpoint's generation_config would apply silently); logits of
+        # diverged weights (inf, NaN) clamped, a no-op on sane ones: sampling goes on, as vLLM's, to the grad check.
         sampling = dict(do_sample=False) if temperature == 0 else dict(
-            do_sample=True, temperature=temperature, top_p=top_p, top_k=max(top_k or 0, 0), min_p=min_p,  # diverged
-            logits_processor=[lambda ids, s: s.nan_to_num(0.0).clamp(-1e30, 1e30)])  # weights: the grad check stops
+            do_sample=True, temperature=temperature, top_p=top_p, top_k=max(top_k or 0, 0), min_p=min_p,
+            logits_processor=[lambda ids, s: s.nan_to_num(0.0).clamp(-1e4, 1e4)])  # before the temperature
         # FSDP2 all-gathers in every forward: ranks must take the same number of steps (HF synced_gpus).
         synced = dist.is_initialized() and any(isinstance(p, DTensor) for p in model.parameters())
         was_training = model.training

@@ -287,17 +287,18 @@ def load_tokenizer(path):
         tokenizer, config = AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:  # a hub id not in the local cache while offline, no config.json, ...
         raise ValueError(f"--model {path!r}: cannot load its tokenizer or config ({str(e).splitlines()[0]})") from None
-    vocab = getattr(config.get_text_config(), "vocab_size", None)
+    vocab, context = (getattr(config.get_text_config(), k, None) for k in ("vocab_size", "max_position_embeddings"))
     checks = [(len(tokenizer) > 1, f"has no tokenizer (the one loaded has {len(tokenizer)} token): save the "
                                    f"model's tokenizer into the folder (tokenizer.save_pretrained)"),
               (vocab is None or len(tokenizer) <= vocab, f"its tokenizer has {len(tokenizer)} tokens but the model's "
                f"embedding has {vocab} rows (vocab_size): use the tokenizer the model was trained with"),
               (tokenizer.pad_token_id is not None or tokenizer.eos_token_id is not None,
-               "its tokenizer has neither a pad nor an EOS token: completions could not end (set eos_token)")]
+               "its tokenizer has neither a pad nor an EOS token: completions could not end (set eos_token)"),
+              (context is not None, "its config gives no context length (max_position_embeddings)")]
     for ok, msg in checks:
         if not ok:
             raise ValueError(f"--model {path!r}: {msg}")
-    return tokenizer, config.max_position_embeddings
+    return tokenizer, context
 
 
 def _check_weights(path):

@@ -180,3 +180,9 @@ def test_a_dead_run_cannot_hold_the_lock(tmp_path):
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
     assert checkpoint.lock(str(tmp_path)) is None
+
+
+def test_open_metrics_says_when_the_records_before_the_checkpoint_are_missing(tmp_path):
+    logged = []
+    checkpoint.open_metrics(str(tmp_path / "metrics.jsonl"), 3, log=logged.append).close()
+    assert "metrics.jsonl is missing: the records up to step 3 are lost" in logged[0]
