@@ -285,8 +285,8 @@ def load_tokenizer(path):
         _check_weights(path)
     try:
         tokenizer, config = AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as e:  # a hub id not in the local cache while offline, no config.json, ...
-        raise ValueError(f"--model {path!r}: cannot load its tokenizer or config ({str(e).splitlines()[0]})") from None
+    except Exception as e:  # OSError: a hub id not in the local cache while offline, no config.json; ValueError: ...
+        raise ValueError(f"--model {path!r}: cannot load its tokenizer or config ({_cause(e)})") from None
     vocab, context = (getattr(config.get_text_config(), k, None) for k in ("vocab_size", "max_position_embeddings"))
     checks = [(len(tokenizer) > 1, f"has no tokenizer (the one loaded has {len(tokenizer)} token): save the "
                                    f"model's tokenizer into the folder (tokenizer.save_pretrained)"),
