@@ -6,6 +6,13 @@
         rng_rank{R}.pt   rank R's RNG states (python, numpy, torch, cuda) and its rollout engine's state
         complete.json    written last: the size of every file above
 
+An out-dir holds one run: run.json (its configuration, written at its start), metrics.jsonl, checkpoints/, the
+final model/, and run.lock, which rank 0 holds (flock) while the run lives. Nothing in it is overwritten by another
+run: a second run on a live one is refused, --resume no on a folder that holds a run is refused, and so is a
+configuration that differs from the one that wrote it.
+
+    check_out_dir(out_dir)             writable on every rank, and locked by this run (ValueError: in use, by whom)
+    resume_point(out_dir, resume, ..)  -> the checkpoint to resume from and its state, or why the out-dir is not ours
     find(root)                         -> the latest complete checkpoint, and the incomplete ones it skipped
     load(path, run_config)             -> its trainer state; ValueError if another configuration wrote it
     save(root, step, ...)              write step_N.tmp on every rank, fsync, mark complete, rename, keep the last K
@@ -19,50 +26,118 @@ Simplifications:
 2. Model and optimizer are gathered to full tensors on rank 0 (FSDP2 too): simple, and a checkpoint loads on any
    number of ranks; the cost is rank 0's host memory for one full copy.
 3. The data order is a pure function of (seed, step) (task.batch_indices), so it needs no state.
+4. Completeness is file sizes (complete.json), not checksums: it catches a crash mid-write, a missing or truncated
+   file, not a bit flipped in place. The lock is flock(2): local file systems, and NFS through its lock manager.
 """
+import fcntl
 import glob
 import json
 import os
 import random
 import shutil
+import socket
 
 import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 
-from common import barrier, master, rank
+from common import all_ranks_ok, barrier, master, rank
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to full tensors (a collective with FSDP)
 MARKER = "complete.json"
+_held = []  # the open lock file: the lock lasts as long as this process
 
 
 def run_config(args, world):
     """The arguments a resumed run must share with its checkpoint (not those that only change speed or logging)."""
     skip = ("steps", "eval_every", "eval_size", "save_every", "keep_last", "resume", "out_dir", "wandb", "threads",
-            "engine", "vllm_memory", "vllm_url", "loss_impl", "micro_batch_size")
+            "engine", "vllm_memory", "vllm_url", "loss_impl", "micro_batch_size", "reward_timeout")
     return {k: v for k, v in vars(args).items() if k not in skip} | dict(world_size=world)
 
 
 def check_out_dir(out_dir):
-    """Create out_dir and make sure this rank can write there, before hours of rollouts go into it."""
+    """Create out_dir, make sure every rank can write there (before hours of rollouts go into it), and lock it
+    for this run: one run per out-dir. A collective (once the process group exists): every rank gets the verdict."""
+    error = None
     try:
         os.makedirs(out_dir, exist_ok=True)
-        open(os.path.join(out_dir, f".write_test_{rank}"), "w").close()
-        os.remove(os.path.join(out_dir, f".write_test_{rank}"))
+        probe = os.path.join(out_dir, f".write_test_{rank}_{os.getpid()}")  # its own name: two runs may race here
+        open(probe, "w").close()
+        os.remove(probe)
     except OSError as e:
-        raise ValueError(f"--out-dir {out_dir!r} is not writable ({e.strerror}): choose another --out-dir") from None
+        error = f"--out-dir {out_dir!r} is not writable ({e.strerror}): choose another --out-dir"
+    if error is None and master:
+        error = lock(out_dir)
+    if not all_ranks_ok(error is None):
+        raise ValueError(error or f"another rank cannot write to or lock --out-dir {out_dir!r} (see its message)")
 
 
-def resume_point(root, resume, run_config, log=print):
-    """--resume auto|yes|no -> (checkpoint folder or None, its trainer state or None). Incomplete checkpoints are
-    skipped with a warning; ValueError for --resume yes without one, or one written by another configuration."""
-    path, incomplete = find(root) if resume != "no" else (None, [])
+def lock(out_dir):
+    """Take out_dir/run.lock (flock, exclusive) for the life of this process -> None, or why not (held by whom).
+    The kernel drops the lock when the process ends, kill -9 included, so a dead run never blocks the next one."""
+    f = open(os.path.join(out_dir, "run.lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "a process that has not said which"
+        f.close()
+        return (f"--out-dir {out_dir!r} is in use by another run ({holder}): wait for it to end, stop it, or use "
+                f"another --out-dir")
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+    f.flush()
+    _held.append(f)
+    return None
+
+
+def _records(path):
+    """The lines of metrics.jsonl (0 when there is none)."""
+    return sum(1 for _ in open(path)) if os.path.exists(path) else 0
+
+
+def resume_point(out_dir, resume, run_config, log=print):
+    """--resume auto|yes|no -> (checkpoint folder or None, its trainer state or None). Resumes the latest complete
+    checkpoint (incomplete ones are skipped with a warning); a run that stopped before its first checkpoint starts
+    again from step 0, saying so. Rank 0 writes run.json for a run that starts. ValueError, rather than overwrite or
+    mix another run: --resume no on an out-dir that holds a run, --resume yes without a checkpoint, and a checkpoint
+    or run.json written by another configuration (or records no run.json vouches for)."""
+    root, metrics, info = (os.path.join(out_dir, f) for f in ("checkpoints", "metrics.jsonl", "run.json"))
+    path, incomplete = find(root)
+    records = _records(metrics)
+    if resume == "no":
+        steps = [int(p.rsplit("_", 1)[1]) for p in ([path] if path else []) + incomplete]
+        held = ([f"checkpoints up to step {max(steps)}"] if steps else []) + (
+            [f"metrics.jsonl with {records} records"] if records else []) + (
+            ["a final model/"] if os.path.isdir(os.path.join(out_dir, "model")) else [])
+        if held:
+            raise ValueError(f"--resume no: {out_dir!r} holds a run ({', '.join(held)}): use another --out-dir or "
+                             f"delete it (--resume auto continues it)")
     for p in incomplete:
-        log(f"warning: {p} is incomplete (a crash while writing it?): skipped")
-    if resume == "yes" and path is None:
-        raise ValueError(f"--resume yes: no checkpoint under {root}")
-    return path, load(path, run_config) if path else None
+        log(f"warning: {p} is incomplete (a crash while writing it, or a file missing or cut short): skipped")
+    if path:
+        return path, load(path, run_config)
+    if resume == "yes":
+        raise ValueError(f"--resume yes: no checkpoint under {root} (incomplete ones do not count)")
+    if records:  # it stopped before its first checkpoint: it is redone from step 0, if it is this run
+        try:
+            saved = json.load(open(info))
+        except (OSError, ValueError):  # none, or cut short
+            saved = None
+        diff = {k: (saved.get(k), v) for k, v in run_config.items() if saved.get(k) != v} if saved else None
+        if saved is None or diff:
+            why = (f"it was written by a different run configuration {diff} (saved, now): use the same arguments, "
+                   if diff else "no run.json says which run wrote them: use ")
+            raise ValueError(f"{metrics} holds {records} records but there is no checkpoint to resume from, and "
+                             f"{why}another --out-dir, or delete it")
+        log(f"warning: no complete checkpoint under {root} (the run stopped before its first --save-every): starting "
+            f"again from step 0 (the {records} records in {metrics} are dropped: their steps are redone)")
+    if master:
+        with open(info + ".tmp", "w") as f:
+            json.dump(run_config, f, indent=1, default=str)
+        os.replace(info + ".tmp", info)
+    return None, None
 
 
 def _files(path):
@@ -90,11 +165,15 @@ def find(root):
 
 
 def load(path, run_config):
-    saved = torch.load(os.path.join(path, "trainer.pt"), weights_only=False)
+    try:
+        saved = torch.load(os.path.join(path, "trainer.pt"), weights_only=False)
+    except Exception as e:  # the right size but not a checkpoint: a file overwritten in place
+        raise ValueError(f"{path}/trainer.pt is unreadable ({type(e).__name__}): delete {path} to resume from the "
+                         f"checkpoint before it") from None
     diff = {k: (saved["config"].get(k), v) for k, v in run_config.items() if saved["config"].get(k) != v}
     if diff:
         raise ValueError(f"{path} was written by a different run configuration {diff} (saved, now): use the same "
-                         f"arguments, another --out-dir, or --resume no to start over")
+                         f"arguments, or another --out-dir")
     return saved
 
 
@@ -137,10 +216,14 @@ def save(root, step, model, optimizer, engine, tokenizer, trainer_state, keep_la
             json.dump({f: os.path.getsize(os.path.join(tmp, f)) for f in files}, f)
             f.flush()
             os.fsync(f.fileno())
+        if os.path.isdir(path):  # an incomplete one the resume skipped (a complete one would have been resumed)
+            shutil.rmtree(path)
         os.replace(tmp, path)
         _fsync(root)
-        for old in sorted(glob.glob(os.path.join(root, "step_*[0-9]")))[:-keep_last]:
-            shutil.rmtree(old)
+        done = [p for p in sorted(glob.glob(os.path.join(root, "step_*[0-9]"))) if p <= path and is_complete(p)]
+        for old in glob.glob(os.path.join(root, "step_*[0-9]")):  # keep the last K complete ones, and the later
+            if old < done[-keep_last:][0]:  # incomplete leftovers of a crash (replaced when their step comes)
+                shutil.rmtree(old)
 
 
 def restore(path, saved, model, optimizer, engine, device):
@@ -155,17 +238,26 @@ def restore(path, saved, model, optimizer, engine, device):
     return saved["step"], saved["opt_step"]
 
 
-def open_metrics(path, keep_until):
+def open_metrics(path, keep_until, log=print):
     """Rank 0: metrics.jsonl open for appending, holding only the records up to step keep_until (None: none).
-    Records of steps after the checkpoint are dropped (they are redone), so is a torn last line (a crash mid-write)."""
-    kept = []
+    Records of steps after the checkpoint are dropped (they are redone), so is a torn line (a crash mid-write);
+    both are said. The cut file replaces the old one in one rename: a crash now loses nothing."""
+    kept, dropped, torn = [], 0, 0
+    if keep_until is not None and not os.path.exists(path):
+        log(f"warning: {path} is missing: the records up to step {keep_until} are lost, the run goes on without them")
     if keep_until is not None and os.path.exists(path):
         for line in open(path):
             try:
                 if json.loads(line)["step"] <= keep_until:
                     kept.append(line if line.endswith("\n") else line + "\n")
-            except (ValueError, KeyError):
-                pass  # a torn line: its step is redone
-    f = open(path, "w")
-    f.writelines(kept)
-    return f
+                else:
+                    dropped += 1
+            except (ValueError, KeyError, TypeError):
+                torn += 1  # its step is redone
+    if dropped or torn:
+        log(f"{path}: kept the {len(kept)} records up to step {keep_until}; dropped {dropped} later record(s)"
+            + (f" and {torn} torn line(s)" if torn else "") + " (their steps are redone)")
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+    return open(path, "a")

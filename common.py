@@ -7,6 +7,7 @@ forward to completion logits and log-probs, and the step's metrics over micro-ba
     fail(msg)                  "error: msg" and exit 2, on every rank (no rank is left waiting in a collective)
     all_ranks_ok(ok)           True iff every rank is ok (a MIN all-reduce)
     number(int, 1)             an argparse type: a finite number in a range, else one clear line
+    setup(threads, dtype)      process group, device, threads; under torchrun, stop when the launcher dies
 
 Mixed precision, as PyTorch users expect: the policy's weights, gradients and AdamW states are fp32 and only the
 compute runs in --dtype (torch.autocast; FSDP2's MixedPrecisionPolicy casts the gathered weights and reduces
@@ -20,6 +21,7 @@ import logging
 import math
 import os
 import random
+import threading
 import time
 import warnings
 
@@ -89,6 +91,8 @@ def check_flags(args):
          f"--model {args.model!r}: no such directory (give a local save_pretrained folder or a hub id like org/name)"),
         (len(args.reward_weights) == len(args.rewards), f"--reward-weights has {len(args.reward_weights)} values for "
                                                         f"{len(args.rewards)} --rewards: give one per reward"),
+        (any(args.reward_weights), "--reward-weights are all 0: every advantage would be 0 and nothing learned; give a "
+                                   "reward a non-zero weight"),
         (n_local == 0 or not (n_local % minibatch or minibatch % micro),  # n_local 0: said above
          f"--micro-batch-size {micro} must divide --minibatch-size {minibatch}, which must divide the {n_local} "
          f"completions per rank per step (prompts-per-step / ranks * G)"),
@@ -165,6 +169,7 @@ def setup(threads, dtype_name):
     # last-resort handler prints it), and a deprecation warning from its own import (vLLM 0.32)
     logging.getLogger("vllm").addHandler(logging.NullHandler())
     warnings.filterwarnings("ignore", r"`torch.distributed.reduce_op` is deprecated", FutureWarning)
+    watch_launcher()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
     if ddp:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -176,14 +181,37 @@ def setup(threads, dtype_name):
     return device, dtype
 
 
+def watch_launcher(poll_s=1.0):
+    """Under torchrun (or another launcher that sets LOCAL_RANK), end this worker when its launcher dies: kill -9
+    of the agent leaves the workers training on, unseen, into an out-dir a relaunch then finds locked. A daemon
+    thread compares os.getppid() with its value at start; the exit is abrupt (os._exit), which loses at most the
+    step in flight: checkpoints are atomic and a torn metrics line is dropped on resume."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_RANK" not in os.environ:
+        return
+    launcher = os.getppid()
+
+    def watch():
+        while os.getppid() == launcher:
+            time.sleep(poll_s)
+        try:
+            print(f"error (rank {rank}): the launcher (pid {launcher}) is gone: stopping this worker", flush=True)
+        finally:
+            os._exit(3)
+    threading.Thread(target=watch, name="watch_launcher", daemon=True).start()
+
+
 def load_model(path, dtype, device, fsdp=False, frozen=False):
     """The trainable policy in fp32 (master weights: see the module docstring), a frozen model (the reference) in
     dtype. Full weights on the CPU; with fsdp each decoder layer is then sharded over the ranks (FSDP2), so only
-    this rank's shard moves to the device: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html"""
+    this rank's shard moves to the device: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
+    ValueError naming the folder when its weights do not load (missing, cut short, another shape)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype if frozen else torch.float32)
+    try:
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype if frozen else torch.float32)
+    except Exception as e:  # OSError (no weights), SafetensorError (cut short), RuntimeError (shapes), ...
+        raise ValueError(f"model {path!r}: cannot load its weights ({str(e).strip().splitlines()[0]})") from None
     if fsdp:
         mixed = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)  # compute in dtype, reduce fp32
         for layer in m.model.layers:

@@ -37,9 +37,7 @@ term into its per-token loss, which the loss type's reduction would then weigh; 
 one and adds the bonus from entropy_from_logits (a second, chunked pass over V: only when entropy_coef != 0,
 which the dataset recipe leaves at 0). resolve_impl turns --loss-impl auto into "triton" on CUDA with the
 token-level ratio, "torch" otherwise (CPU, GSPO).
-tests/test_kernel.py and tests/test_loss.py hold the two paths together.
-
-Run the tests: python -m pytest -q tests/test_loss.py tests/test_kernel.py
+Run the tests (they hold the two paths together): python -m pytest -q tests/test_loss.py tests/test_kernel.py
 
 Simplifications:
 1. old_logps=None means on-policy (one update per generation): the ratio is 1 in value but keeps
@@ -85,10 +83,9 @@ def _by_row_chunks(fn, logits, *row_args, chunk_rows=None):
     """fn over chunks of logits (B, T, V) -> (B, T), each chunk at most chunk_rows positions (default: as many as
     fit in CHUNK_ELEMENTS fp32 numbers): whole sequences while one fits, else pieces of one sequence. Slices are
     views (the caller's logits[:, :-1] is not contiguous, and reshape would copy all of it). With several chunks,
-    each one is checkpointed under autograd: its fp32 intermediates are recomputed in backward (one extra forward
-    per chunk) instead of being saved, so no fp32 copy of more than one chunk ever exists, in forward or backward.
-    One chunk (small V or a short batch, e.g. the default run's (256, 4, 22)) runs plainly: checkpointing every row
-    made that 500x slower (issue 14) and saves nothing the bound does not already allow."""
+    each is checkpointed under autograd (its fp32 intermediates recomputed in backward, not saved), so no fp32 copy
+    of more than one chunk ever exists. One chunk (e.g. the default run's (256, 4, 22)) runs plainly: checkpointing
+    every row made that 500x slower (issue 14) and saves nothing the bound does not already allow."""
     B, T, V = logits.shape
     step = chunk_rows or max(1, CHUNK_ELEMENTS // V)
     if B * T <= step:

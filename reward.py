@@ -6,7 +6,9 @@ called once per batch with keywords: completions (N strings, or N conversations
 [{"role": "assistant", "content": ...}]), prompts, completion_ids (N lists of token ids) and every
 other dataset column (e.g. solution), each a list of N. None means "no opinion on this sample"
 (e.g. the gold answer does not parse): advantage.py skips it instead of counting it as 0.
-compute_rewards stacks the F functions into an (N, F) tensor, NaN where a function said None.
+compute_rewards stacks the F functions into an (N, F) tensor, NaN where a function said None. It calls each
+function in a worker thread with a time limit (train.py --reward-timeout): a function that hangs, raises, or exits
+(SystemExit, KeyboardInterrupt) ends the run with its name, on every rank, instead of a hang or a silent exit.
 
 Built-ins (REWARD_FUNCS, picked by name on the command line):
     accuracy_reward            1 if math-verify finds the answer equal to the gold, else 0
@@ -27,9 +29,9 @@ Simplifications:
 1. A conversation is scored by the content of its last message.
 2. math-verify parses with its default extraction (LaTeX, \\boxed{} first, then plain expressions),
    so "The answer is 1,234." counts like \\boxed{1234}; TRL's accuracy_reward accepts only LaTeX.
-3. math-verify's timeouts use SIGALRM, which only the main thread can set: off the main thread (a thread
-   pool, a reward server) the math rewards run math-verify without timeouts, as TRL's do, so a pathological
-   answer can take long there instead of scoring None.
+3. math-verify's timeouts use SIGALRM, which only the main thread can set: off the main thread (compute_rewards
+   runs every reward in a worker thread) math-verify runs without its own timeouts, as TRL's does off the main
+   thread, and the reward's time limit (--reward-timeout) bounds the whole call instead.
 4. math-verify extracts no number glued to ">" ("</think>72" reads like "x>72"): for thinking models
    use reasoning_accuracy_reward, which scores only the text after "</think>".
 5. A reward model sees the dataset's prompt (the question, as in TRL), not the policy's rendered text,
@@ -228,16 +230,37 @@ def get_reward_funcs(names):
     return funcs
 
 
-def compute_rewards(funcs, prompts, completions, **columns):
-    """Call each function once on the batch -> rewards (N, F) float32, NaN where it returned None."""
+def _call(fn, name, timeout, kwargs):
+    """fn(**kwargs) in a daemon thread, waited on for timeout seconds (None: forever): a function that hangs can
+    neither hold the run nor block its exit, and one that exits (SystemExit, KeyboardInterrupt: any BaseException)
+    is reported by name instead of ending the run without a word."""
+    result = {}
+
+    def run():
+        try:
+            result["values"] = fn(**kwargs)
+        except BaseException as e:  # SystemExit in a thread would end only the thread, silently
+            result["error"] = e
+    worker = threading.Thread(target=run, name=f"reward {name}", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise RuntimeError(f"reward function {name} did not return within {timeout:g} s: make it faster, or raise "
+                           f"--reward-timeout")
+    if "error" in result:
+        e = result["error"]
+        raise RuntimeError(f"reward function {name} raised {type(e).__name__}: {e}") from e
+    return result["values"]
+
+
+def compute_rewards(funcs, prompts, completions, timeout=None, /, **columns):
+    """Call each function once on the batch, in a thread, for at most timeout seconds each -> rewards (N, F)
+    float32, NaN where it returned None. RuntimeError / ValueError naming the function when it fails."""
     N = len(completions)
     rewards = torch.full((N, len(funcs)), math.nan)  # (N, F)
     for f, fn in enumerate(funcs):
         name = getattr(fn, "__name__", repr(fn))
-        try:
-            values = fn(prompts=prompts, completions=completions, **columns)
-        except Exception as e:
-            raise RuntimeError(f"reward function {name} raised {type(e).__name__}: {e}") from e
+        values = _call(fn, name, timeout, dict(prompts=prompts, completions=completions, **columns))
         if not isinstance(values, (list, tuple)) or len(values) != N:
             got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"{values!r:.80}"
             raise ValueError(f"reward function {name} must return a list of {N} floats or None "
@@ -246,8 +269,8 @@ def compute_rewards(funcs, prompts, completions, **columns):
             if v is None:
                 continue
             is_number = isinstance(v, numbers.Real) or (isinstance(v, torch.Tensor) and v.numel() == 1)
-            if not is_number or not math.isfinite(float(v)):
+            if not is_number or not abs(float(v)) <= torch.finfo(torch.float32).max:  # NaN, inf, 1e39 (float32)
                 raise ValueError(f"reward function {name} returned {v!r:.80} for completion {i} "
-                                 f"({_text(completions[i])!r:.80}): return a finite float, or None for no opinion")
+                                 f"({_text(completions[i])!r:.80}): return a finite float32, or None for no opinion")
             rewards[i, f] = float(v)
     return rewards

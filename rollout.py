@@ -2,9 +2,8 @@
 Rollout: sample G completions for each prompt from the current policy, with the sampler's own log-probabilities.
 
     sampling_logps[i, t] = log softmax(process(logits_t) / temperature)[completion_ids[i, t]]
-where process = repetition penalty, and the top-k / top-p / min-p filters after the temperature. With no
-filters this is exactly what the trainer recomputes (loss.selective_log_softmax at the same temperature);
-engines that return the *raw* logprobs instead break that (TRL bug trl#4159).
+where process = repetition penalty, and the top-k / top-p / min-p filters after the temperature. With no filters
+this is what the trainer recomputes (loss.selective_log_softmax); *raw* logprobs would break that (trl#4159).
 
 Engines (generate -> Rollout, sync_weights(model) -> {seconds, bytes}, state_dict, load_state_dict, close):
     VLLMEngine(model_path, ...)  vLLM 0.32 in the training process; under torchrun one per rank (external_launcher)
@@ -12,8 +11,7 @@ Engines (generate -> Rollout, sync_weights(model) -> {seconds, bytes}, state_dic
     RemoteEngine(url, tokenizer) in server.py: the client of a vLLM rollout server on other GPUs or nodes
     make_engine("auto" | "vllm" | "hf" | "server", ...) picks one; "auto" = vLLM when it imports.
 
-Run the tests: python -m pytest -q tests/test_rollout.py tests/test_rollout_2ranks.py tests/test_rollout_tp.py
-Benchmark:     python bench.py rollout
+Tests: python -m pytest -q tests/test_rollout*.py; benchmark: python bench.py rollout
 
 Simplifications:
 1. Weights are synced in-process, one parameter at a time, through vLLM's own `reload_weights` (the older
@@ -248,10 +246,11 @@ class HFEngine(Engine):
         model, no_completions = unwrap(self.model), torch.zeros(len(prompt_ids), 0, dtype=torch.long)  # (B, 0)
         batch = sequence_batch(prompt_ids, no_completions, self.pad_id)  # the prompts, left-padded
         input_ids, attention_mask = batch[0].to(model.device), batch[1].to(model.device)  # (B, P)
-        # Pass every filter explicitly: HF's defaults (top_k=50) or the checkpoint's generation_config
-        # would otherwise apply silently and the logprobs would not be what the trainer expects.
+        # Every filter explicitly (HF's top_k=50 or the checkpoint's generation_config would apply silently); logits of
+        # diverged weights (inf, NaN) clamped, a no-op on sane ones: sampling goes on, as vLLM's, to the grad check.
         sampling = dict(do_sample=False) if temperature == 0 else dict(
-            do_sample=True, temperature=temperature, top_p=top_p, top_k=max(top_k or 0, 0), min_p=min_p)
+            do_sample=True, temperature=temperature, top_p=top_p, top_k=max(top_k or 0, 0), min_p=min_p,
+            logits_processor=[lambda ids, s: s.nan_to_num(0.0).clamp(-1e4, 1e4)])  # before the temperature
         # FSDP2 all-gathers in every forward: ranks must take the same number of steps (HF synced_gpus).
         synced = dist.is_initialized() and any(isinstance(p, DTensor) for p in model.parameters())
         was_training = model.training

@@ -28,6 +28,7 @@ Simplifications:
    models with their own chat template, see the question as the dataset wrote it (as in TRL).
 """
 import glob
+import json
 import os
 import random
 
@@ -181,13 +182,22 @@ def load_prompt_dataset(name_or_path, *, config=None, split="train", prompt_colu
             raise FileNotFoundError(f"dataset file not found: {', '.join(missing)}")
         if len({_LOADERS[e] for e in exts}) > 1:
             raise ValueError(f"dataset files mix formats {sorted(exts)}: use one of json/jsonl, csv, parquet")
+        _check_json_lines(paths)
         try:  # datasets raises StopIteration on an empty .jsonl, ValueError on "[]" or an unknown split
             ds = datasets.load_dataset(_LOADERS[exts.pop()], data_files=paths, split=split)
         except (StopIteration, ValueError) as e:
             raise ValueError(f"cannot load split {split!r} of {name_or_path!r}: {str(e) or 'no rows'} (local files are "
                              f"one split, 'train', and slices like 'train[:100]' work; empty files have no rows)") from e
+        except Exception as e:  # a malformed file: datasets' DatasetGenerationError, pyarrow's errors
+            raise ValueError(f"cannot read dataset {name_or_path!r}: {_cause(e)}: fix the file") from None
     elif len(paths) == 1 and not os.path.isfile(paths[0]):  # hub id or local dataset folder
-        ds = datasets.load_dataset(paths[0], config, split=split)
+        try:
+            ds = datasets.load_dataset(paths[0], config, split=split)
+        except Exception as e:  # not a dataset folder, offline (HF_HUB_OFFLINE=1, no network), unknown config/split
+            what = "the folder" if os.path.isdir(paths[0]) else "the hub id (offline? HF_HUB_OFFLINE=1 or no network " \
+                                                                "reads only the local cache)"
+            raise ValueError(f"cannot load dataset {paths[0]!r} ({_cause(e)}): check {what}, or give .json/.jsonl/.csv/"
+                             f".parquet file(s)") from None
     else:
         raise ValueError(f"cannot load dataset {name_or_path!r}: give a hub id, a dataset folder or files ending "
                          f"in {', '.join(_LOADERS)}")
@@ -203,7 +213,36 @@ def load_prompt_dataset(name_or_path, *, config=None, split="train", prompt_colu
         if column in set(renames.values()) or column in RESERVED_COLUMNS:
             raise ValueError(f"{where}: column {column!r} would clash with the {column!r} keyword that reward "
                              f"functions get; drop or rename it (or map it with prompt_column/solution_column)")
-    return [{renames.get(k, k): v for k, v in row.items()} for row in ds]
+    rows = [{renames.get(k, k): v for k, v in row.items()} for row in ds]
+    bad = [i for i, r in enumerate(rows) if not _is_prompt(r["prompt"])]
+    if bad:
+        raise ValueError(f"{where}: row {bad[0]} has prompt {rows[bad[0]]['prompt']!r:.80} in column {prompt_column!r}"
+                         f"{f' (and {len(bad) - 1} more rows)' if len(bad) > 1 else ''}: a prompt must be a non-empty "
+                         f"string or a conversation (a list of {{'role', 'content'}} messages)")
+    return rows
+
+
+def _cause(e):
+    """An exception in a few words: its type and first line, and those of its cause (datasets wraps pyarrow's)."""
+    text = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+    return text + (f" <- {_cause(e.__cause__)}" if e.__cause__ is not None else "")
+
+
+def _check_json_lines(paths):
+    """A .jsonl line that is not JSON -> ValueError naming the file and line (datasets names neither)."""
+    for path in (f for p in paths if p.lower().endswith(".jsonl") for f in sorted(glob.glob(p))):
+        for n, line in enumerate(open(path, encoding="utf-8", errors="replace"), 1):
+            try:
+                line.strip() and json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"dataset file {path}: line {n} is not valid JSON ({e}): fix or remove it") from None
+
+
+def _is_prompt(p):
+    """A non-empty string, or a non-empty list of {"role", "content"} messages."""
+    if isinstance(p, str):
+        return p.strip() != ""
+    return isinstance(p, list) and len(p) > 0 and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in p)
 
 
 def gsm8k_gold(answer):
@@ -243,12 +282,59 @@ def encode_prompts(tokenizer, prompt_texts, conversational):
 
 
 def load_tokenizer(path):
-    """-> (tokenizer, the model's context length); ValueError naming the folder when it has no usable tokenizer."""
+    """-> (tokenizer, the model's context length). ValueError naming the folder when it is not a usable model: no
+    weights, weights cut short, no tokenizer (transformers 5 then builds an empty one instead of failing), a
+    tokenizer with more tokens than the model's embedding has rows, or neither a pad nor an EOS token."""
     from transformers import AutoConfig, AutoTokenizer
+    if os.path.isdir(path):
+        _check_weights(path)
     try:
-        return AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path).max_position_embeddings
-    except OSError as e:  # a hub id that is not in the local cache while offline, a folder without a tokenizer, ...
-        raise ValueError(f"--model {path!r}: cannot load its tokenizer ({str(e).splitlines()[0]})") from None
+        tokenizer, config = AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path)
+    except Exception as e:  # OSError: a hub id not in the local cache while offline, no config.json; ValueError: ...
+        raise ValueError(f"--model {path!r}: cannot load its tokenizer or config ({_cause(e)})") from None
+    vocab, context = (getattr(config.get_text_config(), k, None) for k in ("vocab_size", "max_position_embeddings"))
+    checks = [(len(tokenizer) > 1, f"has no tokenizer (the one loaded has {len(tokenizer)} token): save the "
+                                   f"model's tokenizer into the folder (tokenizer.save_pretrained)"),
+              (vocab is None or len(tokenizer) <= vocab, f"its tokenizer has {len(tokenizer)} tokens but the model's "
+               f"embedding has {vocab} rows (vocab_size): use the tokenizer the model was trained with"),
+              (tokenizer.pad_token_id is not None or tokenizer.eos_token_id is not None,
+               "its tokenizer has neither a pad nor an EOS token: completions could not end (set eos_token)"),
+              (context is not None, "its config gives no context length (max_position_embeddings)")]
+    for ok, msg in checks:
+        if not ok:
+            raise ValueError(f"--model {path!r}: {msg}")
+    return tokenizer, context
+
+
+def _check_weights(path):
+    """A local model folder has weights, and its safetensors files are whole (their header covers the file)."""
+    from safetensors import safe_open
+    files = glob.glob(os.path.join(path, "*.safetensors")) + glob.glob(os.path.join(path, "*.bin"))
+    if not files:
+        raise ValueError(f"--model {path!r}: no weights (*.safetensors or *.bin) in the folder: save the model there "
+                         f"(save_pretrained), or give a hub id")
+    for index in glob.glob(os.path.join(path, "*.index.json")):  # sharded: every shard it names is there
+        for shard in sorted(set(json.load(open(index)).get("weight_map", {}).values())):
+            if not os.path.exists(os.path.join(path, shard)):
+                raise ValueError(f"--model {path!r}: shard {shard} named in {os.path.basename(index)} is missing")
+    for f in files:
+        try:
+            if f.endswith(".safetensors"):
+                safe_open(f, "pt").keys()
+            elif open(f, "rb").read(2) == b"PK":  # torch.save's zip format: the index sits at the end
+                import zipfile
+                zipfile.ZipFile(f).close()
+        except Exception as e:  # SafetensorError: "incomplete metadata, file not fully covered"; BadZipFile
+            raise ValueError(f"--model {path!r}: {os.path.basename(f)} is damaged or cut short ({e}): copy or save "
+                             f"the model again") from None
+
+
+def prompt_limit(max_prompt_len, max_new_tokens, context_len):
+    """The longest prompt the model's context leaves room for next to --max-new-tokens; ValueError when none."""
+    if max_new_tokens >= context_len:
+        raise ValueError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's context "
+                         f"of {context_len} tokens: lower it")
+    return min(max_prompt_len, context_len - max_new_tokens)
 
 
 def load_rows(dataset, *, digits, eval_size, seed, config, split, eval_split, prompt_column, solution_column):

@@ -87,6 +87,8 @@ add("--vllm-url", default=None, help="server mode: http://HOST:PORT of `python s
 add("--rewards", nargs="+", default=None, help="built-in names, dotted paths or reward-model dirs")
 add("--reward-weights", type=number(float), nargs="+", default=None, help="one weight per reward")
 add("--scale-rewards", default="group", choices=SCALE_REWARDS)
+add("--reward-timeout", type=number(float, 0, 1800, low_open=True), default=300,  # under gloo's 1800 s, NCCL's 600
+    help="seconds a reward function may take on a batch; more ends the run, naming it")
 # Optimization
 add("--steps", type=int_, default=700, help="GRPO steps (one rollout batch each)")
 add("--lr", type=pos, default=None, help="task default: 3e-4 tiny model / 1e-6 --model")
@@ -110,7 +112,7 @@ add("--eval-every", type=number(int, 0), default=50, help="held-out evaluation e
 add("--eval-size", type=int_, default=500, help="held-out prompts evaluated")
 add("--save-every", type=int_, default=100, help="checkpoint every N steps (and at the end)")
 add("--keep-last", type=int_, default=2, help="checkpoints kept")
-add("--resume", default="auto", choices=["auto", "yes", "no"], help="auto: if out-dir has one")
+add("--resume", default="auto", choices=["auto", "yes", "no"], help="auto: continue the out-dir's run if any")
 add("--out-dir", default="out", help="metrics.jsonl, metrics.png, checkpoints, final model")
 add("--wandb", default=None, help="also log to this wandb project")
 add("--seed", type=number(int, 0), default=0)
@@ -131,17 +133,17 @@ n_local = args.prompts_per_step // world * args.G  # completions per rank per st
 minibatch = args.minibatch_size or n_local  # completions per optimizer step
 micro = args.micro_batch_size or minibatch  # completions per forward/backward
 ckpt_root = os.path.join(args.out_dir, "checkpoints")
+device, dtype = setup(args.threads, args.dtype)  # the process group first: the out-dir lock's verdict reaches all
 try:
     reward_funcs, (eval_func,) = get_reward_funcs(args.rewards), get_reward_funcs([args.eval_reward])
-    checkpoint.check_out_dir(args.out_dir)
-    resume_from, saved = checkpoint.resume_point(ckpt_root, args.resume, run_config, log=print0)
+    checkpoint.check_out_dir(args.out_dir)  # one run per out-dir: locked until this run ends (or dies)
+    resume_from, saved = checkpoint.resume_point(args.out_dir, args.resume, run_config, log=print0)
 except ValueError as e:
     fail(str(e))
 wandb = require("wandb", "--wandb needs the wandb package: pip install wandb") if args.wandb else None
 
 # -----------------------------------------------------------------------------
-# Setup: distributed, checkpoint to resume from, data, model, reference, optimizer, rollout engine
-device, dtype = setup(args.threads, args.dtype)
+# Setup: checkpoint to resume from, data, model, reference, optimizer, rollout engine
 loss_impl = resolve_impl(args.loss_impl, device, args.importance_sampling_level)
 model_path = (os.path.join(resume_from, "model") if resume_from else
               os.path.join(args.out_dir, "init_model") if tiny else args.model)
@@ -153,18 +155,15 @@ try:
     train_rows, eval_rows = task.load_rows(
         args.dataset, digits=args.task_digits, eval_size=args.eval_size, seed=args.seed, config=args.dataset_config,
         split=args.split, eval_split=args.eval_split, prompt_column=args.prompt_column, solution_column=args.solution_column)
-    if args.max_new_tokens >= context_len:
-        raise ValueError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's context "
-                         f"of {context_len} tokens: lower it")
-    prompt_limit = min(args.max_prompt_len, context_len - args.max_new_tokens)
+    prompt_limit = task.prompt_limit(args.max_prompt_len, args.max_new_tokens, context_len)
     (train_rows, train_ids, conversational), (eval_rows, eval_ids, _) = (task.prepare_prompts(
         tokenizer, rows, args.system_prompt, prompt_limit, what, raw=builtin_task, log=print0)
         for rows, what in ((train_rows, "train"), (eval_rows, "held-out")))
+    mark("imports, data")
+    seed_all(args.seed + rank)
+    raw_model = load_model(model_path, dtype, device, args.fsdp)
 except (ValueError, FileNotFoundError) as e:
     fail(str(e))
-mark("imports, data")
-seed_all(args.seed + rank)
-raw_model = load_model(model_path, dtype, device, args.fsdp)
 ref_model = None
 if args.beta > 0:  # the reference is the initial policy, frozen (simplification 3)
     ref_path = os.path.join(args.out_dir, "init_model") if tiny else args.model
@@ -185,7 +184,7 @@ if args.vllm_mode == "server":  # the server may hold other weights (a restart, 
 start_step, opt_step = 0, 0
 if resume_from:  # RNG states last: engine start-up reseeds torch
     start_step, opt_step = checkpoint.restore(resume_from, saved, raw_model, optimizer, engine, device)
-    print0(f"resuming from {resume_from} (step {start_step}); --resume no or another --out-dir starts over")
+    print0(f"resuming from {resume_from} (step {start_step}); another --out-dir starts a new run")
 mark("engine")
 print0(f"engine {type(engine).__name__}, {world} rank(s), device {device}, loss {loss_impl}, "
        f"{sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M params, {len(train_rows)} train prompts")
@@ -198,8 +197,9 @@ def score(funcs, rows, rollout):
     ids = [c[: int(m.sum())].tolist() for c, m in zip(rollout.completion_ids, rollout.completion_mask)]
     texts = [[{"role": "assistant", "content": t}] for t in rollout.texts] if conversational else rollout.texts
     try:
-        rewards, error = compute_rewards(funcs, [r["prompt"] for r in rows], texts, completion_ids=ids, **columns), None
-    except (ValueError, RuntimeError, TypeError) as e:
+        rewards, error = compute_rewards(funcs, [r["prompt"] for r in rows], texts, args.reward_timeout,
+                                         completion_ids=ids, **columns), None
+    except BaseException as e:  # a reward that raised, exited or hung (reward.compute_rewards names it)
         rewards, error = None, e
     if not all_ranks_ok(error is None):
         fail(str(error) if error else "another rank's reward function failed (see its message)", everywhere=False)

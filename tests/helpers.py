@@ -1,4 +1,6 @@
-"""Run train.py as a user would (a subprocess, 1 process or torchrun) and read what it leaves."""
+"""Run train.py as a user would (a subprocess, 1 process or torchrun) and read what it leaves; or build only its
+argument parser, in-process, to test flag ranges in milliseconds."""
+import ast
 import json
 import os
 import subprocess
@@ -43,3 +45,14 @@ def without_timings(records):
     """Metrics minus the wall-clock fields, which differ from run to run."""
     return [{k: v for k, v in r.items() if not k.startswith("time_") and k not in ("tokens_per_s", "elapsed")}
             for r in records]
+
+
+def train_parser():
+    """train.py's own argparse parser, built in this process: train.py's statements up to `args = parser.parse_args()`
+    run here (its imports, then the flags), nothing after. parse_args(bad) prints train.py's one-line error and raises
+    SystemExit(2), exactly as the script does."""
+    tree = ast.parse(open(os.path.join(ROOT, "train.py")).read())
+    end = next(i for i, node in enumerate(tree.body) if ast.unparse(node) == "args = parser.parse_args()")
+    namespace = {"__name__": "train_flags"}
+    exec(compile(ast.Module(tree.body[:end], type_ignores=[]), os.path.join(ROOT, "train.py"), "exec"), namespace)
+    return namespace["parser"]

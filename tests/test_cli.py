@@ -5,7 +5,9 @@ import os
 
 import pytest
 
-from helpers import run_train
+import task
+from common import check_flags
+from helpers import run_train, train_parser
 
 FAST = ["--engine", "hf", "--steps", "1", "--eval-size", "8"]
 
@@ -28,30 +30,96 @@ def fake_modules(tmp_path_factory):
     return d
 
 
-CASES = {  # name: (extra args, expected text in the error line)
+FLAG_CASES = {  # name: (args, expected text in the error line): argparse's ranges, checked in-process (no subprocess)
     "G<2": (["--G", "1"], "argument --G: must be >= 2 (a group needs two completions to compare), got 1"),
     "steps<1": (["--steps", "0"], "argument --steps: must be >= 1, got 0"),
     "mu<1": (["--num-iterations", "0"], "argument --num-iterations: must be >= 1, got 0"),
     "unknown loss_type": (["--loss-type", "ppo"], "invalid choice: 'ppo'"),
     "unknown scale_rewards": (["--scale-rewards", "std"], "invalid choice: 'std'"),
-    "unknown reward": (["--rewards", "nope_reward"], "unknown reward function 'nope_reward'"),
-    "reward path does not import": (["--rewards", "no_such_pkg.fn"], "cannot import it"),
-    "weights count": (["--rewards", "exact_match_reward", "--reward-weights", "1", "2"], "--reward-weights has 2 values"),
-    "reward wrong count": (["--rewards", "bad_rewards.wrong_count"], "wrong_count must return a list of 256"),
-    "reward non-number": (["--rewards", "bad_rewards.non_number"], "non_number returned 'yes'"),
-    "reward raises": (["--rewards", "bad_rewards.raising"], "raising raised KeyError"),
-    "all prompts too long": (["--max-prompt-len", "2"], "longer than --max-prompt-len 2"),
     "max_new_tokens<=0": (["--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1, got 0"),
     "temperature<=0": (["--temperature", "0"], "argument --temperature: must be > 0 for GRPO sampling"),
     "top_p out of range": (["--top-p", "1.5"], "argument --top-p: must be in (0, 1], got 1.5"),
     "eps<0": (["--epsilon-low", "-0.1"], "argument --epsilon-low: must be >= 0, got -0.1"),
     "beta<0": (["--beta", "-0.1"], "argument --beta: must be >= 0, got -0.1"),
     "lr<=0": (["--lr", "0"], "argument --lr: must be > 0, got 0"),
+    # nonsense values: every numeric flag has a range, and nan / inf pass none
+    "grad_clip<0": (["--grad-clip", "-1"], "argument --grad-clip: must be >= 0, got -1"),
+    "reward weight NaN": (["--reward-weights", "1", "nan"], "argument --reward-weights: must be "),
+    "reward weight inf": (["--reward-weights", "inf"], "argument --reward-weights: must be "),
+    "lr NaN": (["--lr", "nan"], "argument --lr: must be > 0, got nan"),
+    "warmup<0": (["--warmup-steps", "-1"], "argument --warmup-steps: must be >= 0, got -1"),
+    "eval_every<0": (["--eval-every", "-1"], "argument --eval-every: must be >= 0, got -1"),
+    "threads=0": (["--threads", "0"], "argument --threads: must be >= 1, got 0"),
+    "vllm_memory=0": (["--vllm-memory", "0"], "argument --vllm-memory: must be in (0, 1], got 0"),
+    "vllm_memory=1.5": (["--vllm-memory", "1.5"], "argument --vllm-memory: must be in (0, 1], got 1.5"),
+    "task_digits=0": (["--task-digits", "0"], "argument --task-digits: must be in [1, 6], got 0"),
+    "task_digits=13": (["--task-digits", "13"], "argument --task-digits: must be in [1, 6], got 13"),
+    "steps not an integer": (["--steps", "1e3"], "argument --steps: '1e3' is not an integer"),
+    "keep_last=0": (["--keep-last", "0"], "argument --keep-last: must be >= 1, got 0"),
+    "save_every=0": (["--save-every", "0"], "argument --save-every: must be >= 1, got 0"),
+    "eval_size=0": (["--eval-size", "0"], "argument --eval-size: must be >= 1, got 0"),
+    "seed<0": (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    "tis_cap<0": (["--tis-cap", "-2"], "argument --tis-cap: must be >= 0, got -2"),
+    "reward_timeout=0": (["--reward-timeout", "0"], "argument --reward-timeout: must be in (0, 1800], got 0"),
+    "reward_timeout too long": (["--reward-timeout", "1e6"], "argument --reward-timeout: must be in (0, 1800]"),
+}
+
+
+@pytest.fixture(scope="module")
+def parser():
+    return train_parser()
+
+
+@pytest.mark.parametrize("name", FLAG_CASES)
+def test_bad_flag(name, parser, capsys):
+    args, expected = FLAG_CASES[name]
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(args)
+    out = capsys.readouterr().out
+    assert e.value.code == 2 and out.startswith("error: ") and expected in out and out.count("\n") == 1, out
+
+
+def test_good_flags_parse(parser):
+    args = parser.parse_args(["--G", "4", "--reward-weights", "0.5", "-1", "--vllm-memory", "1", "--task-digits", "6"])
+    assert (args.G, args.reward_weights, args.vllm_memory, args.task_digits) == (4, [0.5, -1.0], 1.0, 6)
+    assert args.reward_timeout == 300
+
+
+RULE_CASES = {  # name: (args, expected text): the rules between flags (common.check_flags), in-process
+    "weights count": (["--rewards", "exact_match_reward", "--reward-weights", "1", "2"], "--reward-weights has 2 values"),
+    "weights all zero": (["--reward-weights", "0", "0"], "--reward-weights are all 0: every advantage would be 0"),
     "micro does not divide": (["--micro-batch-size", "7"], "must divide --minibatch-size"),
     "triton + sequence IS": (["--loss-impl", "triton", "--importance-sampling-level", "sequence"], "token only"),
     "model path missing": (["--model", "/no/such/model"], "no such directory"),
-    "resume without checkpoint": (["--resume", "yes"], "no checkpoint under"),
     "fsdp on one process": (["--fsdp"], "--fsdp shards over ranks"),
+}
+
+
+@pytest.mark.parametrize("name", RULE_CASES)
+def test_bad_flag_combination(name, parser, capsys):
+    """train.py's validation block in-process: parse, fill the task defaults, check the rules between flags."""
+    argv, expected = RULE_CASES[name]
+    args = parser.parse_args(argv)
+    for k, v in task.defaults(args.dataset is None, args.model is None, args.task_digits, args.rewards).items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    with pytest.raises(SystemExit) as e:
+        check_flags(args)
+    out = capsys.readouterr().out
+    assert e.value.code == 2 and out.startswith("error: ") and expected in out and out.count("\n") == 1, out
+
+
+CASES = {  # name: (extra args, expected text in the error line): train.py end to end, a subprocess each (the
+    # messages of get_reward_funcs and compute_rewards are also tested in-process: tests/test_reward.py)
+    "G<2 (argparse, end to end)": (["--G", "1"], "argument --G: must be >= 2 (a group needs two completions"),
+    "unknown reward": (["--rewards", "nope_reward"], "unknown reward function 'nope_reward'"),
+    "reward raises": (["--rewards", "bad_rewards.raising"], "raising raised KeyError"),
+    "reward exits": (["--rewards", "bad_rewards.exiting"], "reward function exiting raised SystemExit: 0"),
+    "all prompts too long": (["--max-prompt-len", "2"], "longer than --max-prompt-len 2"),
+    "max_new_tokens above the context": (["--max-new-tokens", "64"], "--max-new-tokens 64 leaves no room for a prompt "
+                                                                     "in the model's context of 64 tokens: lower it"),
+    "micro does not divide (check_flags, end to end)": (["--micro-batch-size", "7"], "must divide --minibatch-size"),
+    "resume without checkpoint": (["--resume", "yes"], "no checkpoint under"),
 }
 
 
@@ -62,6 +130,7 @@ def test_bad_input(name, tmp_path):
     assert rc != 0, out[-2000:]
     assert expected in out, out[-2000:]
     assert "Traceback" not in out, out[-3000:]
+    assert not os.path.exists(tmp_path / "out" / "model"), "a failed run must not leave a final model"
 
 
 def test_dataset_missing_prompt_column(datasets, tmp_path):
@@ -101,8 +170,19 @@ def test_resume_with_other_config(tmp_path):
     (["--prompts-per-step", "3"], "must be divisible by the 2 ranks"),
     (["--prompts-per-step", "1"], "every rank needs a prompt"),
     (["--rewards", "bad_rewards.raising"], "raising raised KeyError"),
+    (["--rewards", "bad_rewards.stuck_on_rank_1", "--reward-timeout", "3"],
+     "error (rank 1): reward function stuck_on_rank_1 did not return within 3 s"),
 ])
 def test_bad_input_two_ranks(args, expected, tmp_path):
-    """Every rank exits (the run ends, no hang) and the message is shown."""
+    """Every rank exits (the run ends, no hang: not gloo's 30-minute timeout either) and the message is shown."""
     rc, out, _ = run_train(FAST + args, tmp_path, nproc=2, check=False, timeout=180)
     assert rc != 0 and expected in out, out[-3000:]
+
+
+def test_model_folder_without_tokenizer(tiny, tmp_path):
+    """transformers 5 builds an empty tokenizer for such a folder instead of failing: train.py must still stop."""
+    import shutil
+    model = tmp_path / "model_without_tokenizer"
+    shutil.copytree(tiny[0], model, ignore=shutil.ignore_patterns("tokenizer*"))
+    rc, out, _ = run_train(FAST + ["--model", model], tmp_path / "out", check=False)
+    assert rc != 0 and f"--model '{model}': has no tokenizer" in out and "Traceback" not in out, out[-2000:]

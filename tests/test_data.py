@@ -4,6 +4,8 @@ chat-template rendering through a tiny character tokenizer; a tiny reward model 
     python -m pytest -q tests/test_data.py
 """
 import json
+import os
+import re
 
 import datasets
 import pytest
@@ -143,6 +145,111 @@ def test_batch_indices_draw_each_prompt_once_per_epoch(world):
     assert draws[:n] != draws[n:2 * n]  # each epoch its own order
     assert task.batch_indices(n, 5, per_step, 1, world, 3) == task.batch_indices(n, 5, per_step, 1, world, 3)
 
+
+
+
+
+@pytest.mark.parametrize("prompt", [None, 7, ["a", "b"], "", "   ", [], [{"content": "no role"}]],
+                         ids=["null", "number", "list of strings", "empty", "blank", "empty list", "bad message"])
+def test_load_refuses_a_prompt_that_is_not_text_or_a_conversation(prompt, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    rows = [{"question": "fine?", "answer": "#### 1"}, {"question": prompt, "answer": "#### 2"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r"row 1 has prompt .* in column 'question': a prompt must be a non-empty "
+                                         r"string or a conversation"):
+        load_fixtures(str(path))
+
+
+def test_load_names_the_line_of_a_malformed_jsonl(tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"question": "a", "answer": "#### 1"}\n{"question": "b", "answer": \n')
+    with pytest.raises(ValueError, match=r"broken.jsonl: line 2 is not valid JSON .*fix or remove it"):
+        load_fixtures(str(path))
+    path = tmp_path / "broken.csv"  # other formats: datasets' own reason, in one line
+    path.write_text('question,answer\n"a,#### 1\n')
+    with pytest.raises(ValueError, match="broken.csv"):
+        load_fixtures(str(path))
+
+
+@pytest.mark.parametrize("content", ["nothing", "binary", "a model"])
+def test_load_a_folder_that_is_not_a_dataset_names_it(content, tiny, tmp_path):
+    folder = tmp_path / "not_a_dataset"
+    folder.mkdir()
+    if content == "binary":
+        (folder / "weights.bin").write_bytes(b"\0" * 64)
+    elif content == "a model":
+        folder = tiny[0]
+    with pytest.raises(ValueError, match=f"cannot load dataset {re.escape(repr(str(folder)))}.*check the folder"):
+        task.load_prompt_dataset(str(folder))
+
+
+def test_load_a_hub_id_offline_is_one_line(monkeypatch):
+    import huggingface_hub.constants
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # HF_HUB_OFFLINE=1, read at import time
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match=r"cannot load dataset 'no-org/no-data' \(ConnectionError.*offline\?"):
+        task.load_prompt_dataset("no-org/no-data")
+
+
+# -----------------------------------------------------------------------------
+# Model folders: task.load_tokenizer refuses what would crash later (transformers, vLLM, the first forward)
+
+def broken_model(kind, tiny, tmp_path):
+    """A copy of the tiny model's folder with one thing wrong."""
+    import shutil
+    path = tmp_path / kind.replace(" ", "_")
+    shutil.copytree(tiny[0], path)
+    if kind == "config only":
+        for f in os.listdir(path):
+            if f != "config.json":
+                os.remove(path / f)
+    elif kind == "no tokenizer":
+        os.remove(path / "tokenizer.json"), os.remove(path / "tokenizer_config.json")
+    elif kind == "weights cut short":
+        os.truncate(path / "model.safetensors", os.path.getsize(path / "model.safetensors") // 2)
+    elif kind == "header cut short":
+        os.truncate(path / "model.safetensors", 100)
+    elif kind == "missing shard":
+        json.dump({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}},
+                  open(path / "model.safetensors.index.json", "w"))
+    elif kind == "tokenizer larger than the embedding, no pad":
+        tok = task.build_tokenizer(task.TEXT_CHARS)
+        tok.pad_token = None
+        tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("config only", "no weights"),
+    ("no tokenizer", "has no tokenizer"),
+    ("weights cut short", "model.safetensors is damaged or cut short"),
+    ("header cut short", "model.safetensors is damaged or cut short"),
+    ("missing shard", "shard model-00002-of-00002.safetensors named in model.safetensors.index.json is missing"),
+    ("tokenizer larger than the embedding, no pad", r"its tokenizer has 98 tokens but the model's embedding has 19 rows"),
+])
+def test_load_tokenizer_refuses_a_model_folder_that_would_crash_later(kind, message, tiny, tmp_path):
+    path = broken_model(kind, tiny, tmp_path)
+    with pytest.raises(ValueError, match=f"--model {re.escape(repr(path))}: {message}"):
+        task.load_tokenizer(path)
+
+
+def test_load_tokenizer_accepts_the_tiny_model(tiny):
+    tokenizer, context = task.load_tokenizer(tiny[0])
+    assert len(tokenizer) == len(tiny[2]) and context == 64
+
+
+def test_load_model_names_weights_that_do_not_load(tiny, tmp_path):
+    from common import load_model
+    path = broken_model("weights cut short", tiny, tmp_path)
+    with pytest.raises(ValueError, match=f"model {re.escape(repr(path))}: cannot load its weights"):
+        load_model(path, torch.float32, torch.device("cpu"))
+
+
+def test_prompt_limit_leaves_room_for_the_completion():
+    assert task.prompt_limit(512, 16, 64) == 48 and task.prompt_limit(8, 16, 64) == 8
+    with pytest.raises(ValueError, match="--max-new-tokens 64 leaves no room for a prompt in the model's context of "
+                                         "64 tokens: lower it"):
+        task.prompt_limit(512, 64, 64)
 
 def test_gsm8k_gold(tmp_path):
     rows = load_fixtures(write_gsm8k_jsonl(tmp_path / "g.jsonl"))

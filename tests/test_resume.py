@@ -1,6 +1,8 @@
 """Nothing lost on a crash: kill -9 every process of the run after a checkpoint and mid-step, resume, and the
 run ends bit-identical to one that was never interrupted (weights and every logged metric), on 1 and 2 ranks.
-Also: a non-finite gradient stops the run with the step number and leaves the last good checkpoint."""
+Also: a damaged latest checkpoint is skipped for the one before; a second run on a live run's out-dir is refused
+on every rank; workers whose torchrun agent is killed stop on their own; a non-finite gradient stops the run with
+the step number and leaves the last good checkpoint. In-process checks of checkpoint.py: tests/test_checkpoint.py."""
 import glob
 import os
 import signal
@@ -88,6 +90,67 @@ def test_kill_and_resume_is_bit_identical(nproc, extra, tmp_path):
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
+def test_corrupt_latest_checkpoint_resumes_from_the_one_before(tmp_path):
+    """A finished run's latest checkpoint is damaged; a rerun with more steps resumes from the previous one, says
+    so, and writes the damaged step again (before: os.replace onto the full folder crashed the run)."""
+    args = ["--engine", "hf", "--save-every", "1", "--eval-every", "0", "--eval-size", "8", "--prompts-per-step", "8"]
+    run_train(args + ["--steps", "2"], tmp_path)
+    os.truncate(tmp_path / "checkpoints" / "step_000002" / "model" / "model.safetensors", 1000)
+    _, out, records = run_train(args + ["--steps", "3"], tmp_path)
+    assert "step_000002 is incomplete" in out and "skipped" in out, out[-2000:]
+    assert f"resuming from {tmp_path / 'checkpoints' / 'step_000001'} (step 1)" in out, out[-2000:]
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000002", "step_000003"]
+
+
+LIVE = ["--engine", "hf", "--steps", "100000", "--save-every", "100000", "--eval-every", "0", "--eval-size", "8",
+        "--prompts-per-step", "8"]
+
+
+@pytest.fixture(scope="module")
+def live_run(tmp_path_factory):
+    """A 2-rank torchrun run that would go on for hours: (agent process, out-dir, its worker pids)."""
+    out_dir = tmp_path_factory.mktemp("live")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             os.path.join(ROOT, "train.py"), "--out-dir", str(out_dir), *LIVE], cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None and not any(r["step"] >= 1 for r in read_metrics(out_dir)):
+        time.sleep(0.1)
+    assert proc.poll() is None, "the live run ended early"
+    workers = [p for p in descendants(proc.pid) if "train.py" in open(f"/proc/{p}/cmdline").read()]
+    assert len(workers) == 2, workers
+    yield proc, out_dir, workers
+    for pid in [proc.pid] + workers:  # whatever the tests left
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+def test_second_run_on_a_live_out_dir_is_refused_on_every_rank(live_run):
+    """The same command again while the first runs: one line naming the holder, every rank exits, nothing touched."""
+    proc, out_dir, workers = live_run
+    before = len(read_metrics(out_dir))
+    rc, out, _ = run_train(LIVE, out_dir, nproc=2, check=False, timeout=180)
+    holder = open(os.path.join(out_dir, "run.lock")).read().strip()
+    assert rc != 0 and f"is in use by another run ({holder})" in out, out[-3000:]
+    assert 'train.py", line' not in out, out[-3000:]  # no traceback from train.py (torchrun prints its own summary)
+    assert holder.startswith(f"pid {workers[0]} ") or holder.startswith(f"pid {workers[1]} "), holder
+    assert len(read_metrics(out_dir)) >= before and proc.poll() is None  # the live run goes on
+
+
+def test_workers_stop_when_the_torchrun_agent_is_killed(live_run):
+    """kill -9 of the agent alone: its workers notice the launcher is gone and exit within seconds."""
+    proc, out_dir, workers = live_run
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 15
+    while any(alive(pid) for pid in workers) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in workers), "a worker outlived its launcher"
+
+
 def test_non_finite_gradient_stops_with_last_good_checkpoint(tmp_path):
     # step 2's rewards (1e38, unscaled) overflow its gradient norm to inf. (lr 1e30, which sent the weights to 1e30,
     # was luck: whether HF generate's sampling or the update met the overflow first depended on the weights.)
@@ -96,6 +159,20 @@ def test_non_finite_gradient_stops_with_last_good_checkpoint(tmp_path):
                                   "--rewards", "bad_rewards.huge_from_step_2"], tmp_path, check=False)
     assert rc != 0 and "non-finite loss or gradient at step 2 " in out, out[-2000:]
     assert "last good checkpoint" in out and "step_000001" in out
+    for ckpt in glob.glob(str(tmp_path / "checkpoints" / "step_*")):
+        weights = load_file(os.path.join(ckpt, "model", "model.safetensors"))
+        assert all(t.isfinite().all() for t in weights.values()), ckpt
+
+
+def test_huge_lr_with_the_hf_engine_stops_with_the_clear_line(tmp_path):
+    # lr 1e10 sends the weights to ~1e10 after step 1; step 2's forward then overflows to inf/NaN. The HF engine
+    # samples from those logits first (before: torch.multinomial's "probability tensor contains inf" traceback);
+    # like vLLM it now samples on, and the gradient check stops the run with its clear line
+    rc, out, records = run_train(["--engine", "hf", "--steps", "4", "--save-every", "1", "--eval-every", "0",
+                                  "--eval-size", "8", "--prompts-per-step", "8", "--lr", "1e10", "--warmup-steps", "0"],
+                                 tmp_path, check=False)
+    assert rc != 0 and "non-finite loss or gradient at step 2" in out and "Traceback" not in out, out[-2000:]
+    assert "last good checkpoint" in out and "step_00000" in out
     for ckpt in glob.glob(str(tmp_path / "checkpoints" / "step_*")):
         weights = load_file(os.path.join(ckpt, "model", "model.safetensors"))
         assert all(t.isfinite().all() for t in weights.values()), ckpt

@@ -165,3 +165,43 @@ def test_math_rewards_from_worker_threads():
     with ThreadPoolExecutor(2) as pool:
         assert [pool.submit(accuracy_reward, c, s).result() for c, s, _ in cases] == [e for _, _, e in cases]
         assert pool.submit(reasoning_accuracy_reward, ["<think>5</think>72"], [GSM8K_GOLD]).result() == [1.0]
+
+
+def _exits(exc):
+    def exiting_reward(completions, **kw):
+        raise exc
+    return exiting_reward
+
+
+@pytest.mark.parametrize("exc", [SystemExit(0), SystemExit(3), KeyboardInterrupt(), GeneratorExit()],
+                         ids=["SystemExit(0)", "SystemExit(3)", "KeyboardInterrupt", "other BaseException"])
+def test_compute_rewards_reports_a_function_that_exits(exc):
+    """A reward that exits (any BaseException) is an error naming it, not the end of the run without a word."""
+    with pytest.raises(RuntimeError, match=f"reward function exiting_reward raised {type(exc).__name__}"):
+        compute_rewards([_exits(exc)], ["p"], ["a"])
+
+
+def test_compute_rewards_time_limit_names_a_function_that_never_returns():
+    import threading
+    release = threading.Event()
+
+    def stuck_reward(completions, **kw):
+        release.wait()  # never set while the test waits: a reward that hangs
+        return [1.0] * len(completions)
+    with pytest.raises(RuntimeError, match=r"reward function stuck_reward did not return within 0.2 s.*--reward-timeout"):
+        compute_rewards([stuck_reward], ["p"], ["a"], 0.2)
+    release.set()
+    assert compute_rewards([_const([0.5])], ["p"], ["a"], 0.2).item() == 0.5  # a prompt one is unaffected
+
+
+def test_compute_rewards_names_a_value_out_of_float32_range():
+    with pytest.raises(ValueError, match=r"bad_reward returned 1e\+39 for completion 1 \('second'\).*float32"):
+        compute_rewards([_const([1.0, 1e39])], ["p", "p"], ["first", "second"])
+
+
+def test_math_verify_rewards_work_in_compute_rewards_worker_thread():
+    """compute_rewards runs each function off the main thread, where math-verify's SIGALRM timeout cannot run:
+    reward.py turns it off there (else math-verify raises on every call and every answer scores None)."""
+    r = compute_rewards([accuracy_reward, reasoning_accuracy_reward], ["q"] * 2,
+                        ["<think>so</think> \\boxed{72}", "<think>so</think> 71"], 5.0, solution=[GSM8K_GOLD] * 2)
+    torch.testing.assert_close(r, torch.tensor([[1.0, 1.0], [0.0, 0.0]]))
