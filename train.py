@@ -143,7 +143,7 @@ except ValueError as e:
 wandb = require("wandb", "--wandb needs the wandb package: pip install wandb") if args.wandb else None
 
 # -----------------------------------------------------------------------------
-# Setup: checkpoint to resume from, data, model, reference, optimizer, rollout engine
+# Setup: data, model, reference, optimizer, rollout engine, the resumed state
 loss_impl = resolve_impl(args.loss_impl, device, args.importance_sampling_level)
 model_path = (os.path.join(resume_from, "model") if resume_from else
               os.path.join(args.out_dir, "init_model") if tiny else args.model)
