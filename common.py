@@ -127,12 +127,16 @@ def startup_line(t_launch):
     return f"start-up {t - t_launch:.1f} s: " + ", ".join(parts)
 
 
+def collective_device():
+    """Where a tensor must live for a collective: the current GPU under NCCL, the CPU under gloo."""
+    return f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+
+
 def all_ranks_ok(ok):
     """True iff every rank is ok: a rank that hit an error must not leave the others waiting in a collective."""
     if not ddp:
         return ok
-    flag = torch.tensor([int(ok)], device=f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl"
-                        else "cpu")
+    flag = torch.tensor([int(ok)], device=collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
@@ -250,7 +254,7 @@ def step_metrics(micro_metrics, grad_norms):
         sum(tokens), sum(m["loss"] for m in micro_metrics) / len(grad_norms),
         torch.stack(grad_norms).float().mean().item()], dtype=torch.float64)
     if ddp:
-        values = values.to(f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu")
+        values = values.to(collective_device())
         dist.all_reduce(values)
         values = values.cpu() / torch.tensor([1.0] * (len(keys) + 1) + [world, world], dtype=torch.float64)
     return dict({k: (v / values[-3]).item() for k, v in zip(keys, values)}, loss=values[-2].item(),
