@@ -51,11 +51,11 @@ import checkpoint
 import task
 from advantage import SCALE_REWARDS, compute_advantages
 from common import (all_ranks_ok, barrier, check_flags, completion_logits, cosine_lr, ddp, fail, load_model, mark,
-                    master, number, print0, rank, require, seed_all, sequence_logps, setup, startup_line, step_metrics,
-                    world, wrap_ddp)
+                    master, number, print0, prompt_batch, rank, require, seed_all, sequence_logps, setup, startup_line,
+                    step_metrics, world, wrap_ddp)
 from loss import IS_LEVELS, LOSS_TYPES, minibatch_tokens, policy_loss, resolve_impl
 from reward import compute_rewards, get_reward_funcs
-from rollout import make_engine, pad_id, sequence_batch
+from rollout import make_engine, pad_id
 
 # -----------------------------------------------------------------------------
 parser = argparse.ArgumentParser(description="GRPO trainer (see the docstring at the top of train.py)")
@@ -260,13 +260,12 @@ for step in (bar := tqdm(range(start_step + 1, args.steps + 1), initial=start_st
 
     # 3) mu passes of minibatch updates
     t0 = time.time()
-    batch = [x.to(device) for x in sequence_batch(  # (N, P+T) x3; pad, else EOS (Llama 3 has no pad token)
-        rollout.prompt_ids, rollout.completion_ids, pad_id(tokenizer))]
+    prompts = [x.to(device) for x in prompt_batch(rollout.prompt_ids, pad_id(tokenizer))]  # (B, P) x3, (N,): pad, else EOS
     off_policy = args.num_iterations > 1 or minibatch < N or args.tis_cap > 0
     model.eval()  # no dropout: the ratio must compare the same function
     by_micro = dict(temperature=args.temperature, micro=micro, dtype=dtype)  # forwards of micro sequences, as below
-    old_logps = sequence_logps(raw_model, batch, completion_ids, **by_micro) if off_policy else None  # (N, T)
-    ref_logps = sequence_logps(ref_model, batch, completion_ids, **by_micro) if ref_model is not None else None  # (N, T)
+    old_logps = sequence_logps(raw_model, prompts, completion_ids, **by_micro) if off_policy else None  # (N, T)
+    ref_logps = sequence_logps(ref_model, prompts, completion_ids, **by_micro) if ref_model is not None else None  # (N, T)
     sampling_logps = rollout.sampling_logps.to(device)  # (N, T)
     micro_metrics, grad_norms = [], []
     for _ in range(args.num_iterations):
@@ -281,7 +280,7 @@ for step in (bar := tqdm(range(start_step + 1, args.steps + 1), initial=start_st
                     raw_model.set_requires_gradient_sync(last_micro)
                 elif ddp:
                     model.require_backward_grad_sync = last_micro
-                logits = completion_logits(model, *(x[r] for x in batch), T, dtype)  # (n, T, V) in dtype
+                logits = completion_logits(model, prompts, r, completion_ids[r], dtype)  # (n, T, V) in dtype
                 loss, metrics = policy_loss(
                     logits, completion_ids[r], advantages[r], completion_mask[r],
                     *(None if x is None else x[r] for x in (old_logps, ref_logps, sampling_logps)),
