@@ -578,7 +578,7 @@ def bench_memory(args):
         cmd = [sys.executable, os.path.abspath(__file__), "_memory_step", "--micro", str(micro), "--completions",
                str(n), "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
         r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
-        logits_mb = micro * (args.new_tokens + 1) * 151_936 * 2 / 2**20  # bf16 (micro, T+1, V)
+        logits_mb = micro * args.new_tokens * 151_936 * 2 / 2**20  # bf16 (micro, T, V)
         print(f"{micro:>5} {n:>11} | {r['before']:13.0f} {r['peak']:12.0f} {r['peak'] - r['before']:9.0f} "
               f"{logits_mb:26.0f}", flush=True)
 
@@ -589,10 +589,9 @@ def _memory_step(args):  # one setting of bench_memory, in its own process
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
     from transformers import AutoModelForCausalLM
 
-    from common import completion_logits, sequence_logps
+    from common import completion_logits, prompt_batch, sequence_logps
     from loss import minibatch_tokens, policy_loss
     from real_shapes import qwen_like
-    from rollout import sequence_batch
 
     def rss(field):  # MB, from /proc/self/status: VmRSS now, VmHWM the peak since the last reset
         return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field)) / 1024
@@ -606,7 +605,7 @@ def _memory_step(args):  # one setting of bench_memory, in its own process
     prompts = torch.randint(4, 100, (args.completions, 32), generator=g).tolist()  # ids inside the tokenizer
     completion_ids = torch.randint(4, 100, (args.completions, T), generator=g)  # (N, T)
     mask, advantages = torch.ones(args.completions, T), torch.randn(args.completions, generator=g)
-    batch = sequence_batch(prompts, completion_ids, 0)
+    batch = prompt_batch(prompts, 0)  # (B, P) x3, (N,)
     open("/proc/self/clear_refs", "w").write("5")  # reset the peak: only the step counts
     before = rss("VmRSS")
     old = sequence_logps(model, batch, completion_ids, 1.0, args.micro, bf16)  # (N, T)
@@ -614,7 +613,7 @@ def _memory_step(args):  # one setting of bench_memory, in its own process
     tokens = minibatch_tokens(mask)
     for i in range(0, args.completions, args.micro):
         r = slice(i, i + args.micro)
-        logits = completion_logits(model, *(x[r] for x in batch), T, bf16)  # (micro, T, V)
+        logits = completion_logits(model, batch, r, completion_ids[r], bf16)  # (micro, T, V)
         loss, _ = policy_loss(logits, completion_ids[r], advantages[r], mask[r], old[r], ref[r], beta=0.04,
                               minibatch_size=args.completions, minibatch_tokens=tokens)
         loss.backward()
