@@ -191,11 +191,13 @@ class RemoteEngine(Engine):
         than the last sync's, if it named one), which /generate then reports. A collective that every trainer rank
         calls between its generations: a barrier first (every rank's generation is done: simplification 4), FSDP2
         ranks all take part in the gathers, rank 0 sends, and all wait for its verdict, so that no rank generates
-        with stale weights and a server gone is the same ConnectionError on every rank. Returns {seconds, bytes}."""
+        with stale weights and a failed send is the same exception on every rank. Returns {seconds, bytes}."""
         start, counter = time.perf_counter(), {"bytes": 0}
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         rank, error = dist.get_rank() if distributed else 0, [None]
-        self.version = version if version is not None else None if self.version is None else self.version + 1
+        if version is None and self.version is not None:
+            version = self.version + 1  # one more update since the last sync
+        self.version = version
         if distributed:
             dist.barrier()
         try:
@@ -203,12 +205,12 @@ class RemoteEngine(Engine):
                 (self.send_nccl if self.weight_transfer == "nccl" else self.send_file)(model, rank, counter)
             if rank == 0 and self.version is not None:
                 self.request("/weight_version", dict(version=self.version))
-        except ConnectionError as e:
-            error = [str(e)]
+        except Exception as e:  # ConnectionError: the server is gone; RuntimeError: it answered with an error
+            error = [e]
         if distributed:  # rank 0's verdict, to every rank (and the closing barrier)
             dist.broadcast_object_list(error, src=0)
-        if error[0]:
-            raise ConnectionError(error[0])
+        if error[0] is not None:
+            raise error[0]
         return dict(seconds=time.perf_counter() - start, bytes=counter["bytes"])
 
     def send_file(self, model, rank, counter):
