@@ -213,13 +213,14 @@ def watch_launcher(poll_s=1.0):
 
 
 def one_line_errors(*kinds):
-    """An uncaught exception of these kinds ends this rank with "error (rank R): its message" and exit status 1, not
-    a traceback: server.RemoteEngine's ConnectionError already says what is gone and what to do, and it can come from
-    many calls (a generate, a sync, the --async batch's Future) that each rank makes on its own."""
+    """An uncaught exception of exactly these classes ends this rank with "error (rank R): its message" and exit
+    status 1, not a traceback: server.RemoteEngine's ConnectionError already says what is gone and what to do, and it
+    can come from many calls (a generate, a sync, the --async batch's Future) that each rank makes on its own.
+    Subclasses keep their traceback (a raw socket's ConnectionRefusedError from elsewhere says less)."""
     default = sys.excepthook
 
     def hook(kind, error, traceback):
-        if issubclass(kind, kinds):
+        if kind in kinds:
             print(f"error (rank {rank}): {error}", flush=True)
         else:
             default(kind, error, traceback)
