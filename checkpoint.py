@@ -3,7 +3,8 @@
     out/checkpoints/step_NNNNNN/
         model/           safetensors + tokenizer (save_pretrained: transformers and vLLM load it)
         trainer.pt       optimizer state, step, optimizer step, the run configuration it belongs to
-        rng_rank{R}.pt   rank R's RNG states (python, numpy, torch, cuda) and its rollout engine's state
+        rng_rank{R}.pt   rank R's RNG states (python, numpy, torch, cuda), its rollout engine's state, and with
+                         --async its next batch, already sampled (a resumed run trains on it, as the straight one)
         complete.json    written last: the size of every file above
 
 An out-dir holds one run: run.json (its configuration, written at its start), metrics.jsonl, checkpoints/, the
@@ -16,7 +17,7 @@ configuration that differs from the one that wrote it.
     find(root)                         -> the latest complete checkpoint, and the incomplete ones it skipped
     load(path, run_config)             -> its trainer state; ValueError if another configuration wrote it
     save(root, step, ...)              write step_N.tmp on every rank, fsync, mark complete, rename, keep the last K
-    restore(path, saved, ...)          optimizer, RNG states and engine state -> (step, optimizer step)
+    restore(path, saved, ...)          optimizer, RNG states and engine state -> (step, optimizer step, next batch)
     open_metrics(path, step)           metrics.jsonl cut back to the checkpoint's step (a torn last line dropped)
 
 Run the tests: python -m pytest -q tests/test_resume.py
@@ -190,8 +191,9 @@ def _fsync(path):
         os.close(fd)
 
 
-def save(root, step, model, optimizer, engine, tokenizer, trainer_state, keep_last, device):
-    """A collective: every rank writes its RNG file, FSDP2 gathers the shards, rank 0 writes the rest."""
+def save(root, step, model, optimizer, engine, tokenizer, trainer_state, keep_last, device, pending=None):
+    """A collective: every rank writes its RNG file (and pending: this rank's next batch, with --async), FSDP2
+    gathers the shards, rank 0 writes the rest."""
     path = os.path.join(root, f"step_{step:06d}")
     tmp = path + ".tmp"
     if master:
@@ -200,7 +202,7 @@ def save(root, step, model, optimizer, engine, tokenizer, trainer_state, keep_la
     barrier()
     rng = dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),
                cuda=torch.cuda.get_rng_state() if device.type == "cuda" else None,
-               engine=engine.state_dict())  # the engines sample from a stream seeded by (seed, call number)
+               engine=engine.state_dict(), pending=pending)  # the engines sample from a stream seeded by (seed, call)
     torch.save(rng, os.path.join(tmp, f"rng_rank{rank}.pt"))
     model_state = get_model_state_dict(model, options=FULL)  # every rank: FSDP gathers the shards
     optimizer_state = get_optimizer_state_dict(model, optimizer, options=FULL)
@@ -227,15 +229,15 @@ def save(root, step, model, optimizer, engine, tokenizer, trainer_state, keep_la
 
 
 def restore(path, saved, model, optimizer, engine, device):
-    """Load the optimizer, then this rank's RNG states and engine state -> (step, optimizer step). Call it after
-    the engine is built: vLLM's start-up reseeds the global RNGs."""
+    """Load the optimizer, then this rank's RNG states and engine state -> (step, optimizer step, the pending batch
+    save() was given or None). Call it after the engine is built: vLLM's start-up reseeds the global RNGs."""
     set_optimizer_state_dict(model, optimizer, saved["optimizer"], options=StateDictOptions(full_state_dict=True))
     rng = torch.load(os.path.join(path, f"rng_rank{rank}.pt"), weights_only=False)
     random.setstate(rng["python"]), np.random.set_state(rng["numpy"]), torch.set_rng_state(rng["torch"])
     engine.load_state_dict(rng["engine"])
     if device.type == "cuda":
         torch.cuda.set_rng_state(rng["cuda"])
-    return saved["step"], saved["opt_step"]
+    return saved["step"], saved["opt_step"], rng.get("pending")
 
 
 def open_metrics(path, keep_until, log=print):

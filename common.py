@@ -8,6 +8,8 @@ forward to completion logits and log-probs, and the step's metrics over micro-ba
     all_ranks_ok(ok)           True iff every rank is ok (a MIN all-reduce)
     number(int, 1)             an argparse type: a finite number in a range, else one clear line
     setup(threads, dtype)      process group, device, threads; under torchrun, stop when the launcher dies
+    in_background(fn, *args)   fn(*args) on a daemon thread -> a Future (train.py --async: the next batch)
+    result_everywhere(future)  its result, or on every rank the exception it raised on any
 
 Mixed precision, as PyTorch users expect: the policy's weights, gradients and AdamW states are fp32 and only the
 compute runs in --dtype (torch.autocast; FSDP2's MixedPrecisionPolicy casts the gathered weights and reduces
@@ -21,9 +23,11 @@ import logging
 import math
 import os
 import random
+import sys
 import threading
 import time
 import warnings
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
@@ -82,6 +86,8 @@ def check_flags(args):
                                   f"{args.eval_size}"),
         (not args.fsdp or world > 1, "--fsdp shards over ranks: launch with torchrun --nproc_per_node N (N >= 2)"),
         (args.vllm_mode == "colocate" or args.vllm_url, "--vllm-mode server needs --vllm-url http://HOST:PORT"),
+        (not args.async_ or args.vllm_mode == "server", "--async overlaps a rollout server's generation with the "
+         "update: add --vllm-mode server --vllm-url http://HOST:PORT (a colocated engine shares the trainer's device)"),
         (world % args.vllm_tp == 0, f"--vllm-tp {args.vllm_tp} must divide the {world} ranks"),
         (args.vllm_tp == 1 or (args.engine != "hf" and args.vllm_mode == "colocate"),
          "--vllm-tp applies to the colocated vLLM engine: drop it with --engine hf, or set the server's own TP"),
@@ -164,7 +170,8 @@ def seed_all(seed):
 
 def setup(threads, dtype_name):
     """Process group (nccl on GPUs, gloo on CPU), device, torch threads -> (device, compute dtype). Also silences
-    the per-shard progress bars of datasets and save_pretrained, which would break the step bar."""
+    the per-shard progress bars of datasets and save_pretrained, which would break the step bar, and makes a
+    rollout server gone (server.py's ConnectionError, from any thread) end this rank with its one line."""
     import datasets
     from transformers.utils.logging import disable_progress_bar
 
@@ -175,6 +182,7 @@ def setup(threads, dtype_name):
     logging.getLogger("vllm").addHandler(logging.NullHandler())
     warnings.filterwarnings("ignore", r"`torch.distributed.reduce_op` is deprecated", FutureWarning)
     watch_launcher()
+    one_line_errors(ConnectionError)
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
     if ddp:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -203,6 +211,51 @@ def watch_launcher(poll_s=1.0):
         finally:
             os._exit(3)
     threading.Thread(target=watch, name="watch_launcher", daemon=True).start()
+
+
+def one_line_errors(*kinds):
+    """An uncaught exception of exactly these classes ends this rank with "error (rank R): its message" and exit
+    status 1, not a traceback: server.RemoteEngine's ConnectionError already says what is gone and what to do, and it
+    can come from many calls (a generate, a sync, the --async batch's Future) that each rank makes on its own.
+    Subclasses keep their traceback (a raw socket's ConnectionRefusedError from elsewhere says less)."""
+    default = sys.excepthook
+
+    def hook(kind, error, traceback):
+        if kind in kinds:
+            print(f"error (rank {rank}): {error}", flush=True)
+        else:
+            default(kind, error, traceback)
+    sys.excepthook = hook
+
+
+def in_background(fn, *args):
+    """fn(*args) on a daemon thread -> a Future holding its result, or its exception (raised again by .result() in
+    the caller's thread). A daemon, not a ThreadPoolExecutor's worker: those are joined at exit, so a run that stops
+    for another reason would wait for the call in flight (up to the rollout server's timeout)."""
+    future = Future()
+
+    def run():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:
+            future.set_exception(e)
+    threading.Thread(target=run, name=f"in_background({getattr(fn, '__name__', fn)})", daemon=True).start()
+    return future
+
+
+def result_everywhere(future):
+    """future.result(), with one verdict for all ranks: if it raised on any rank, every rank raises that exception
+    (the first rank's), so that none is left waiting in the next collective and each says why. For a call each rank
+    makes on its own (the --async batch: every rank's own request to the rollout server)."""
+    try:
+        result, error = future.result(), None
+    except Exception as e:
+        result, error = None, e
+    if not all_ranks_ok(error is None):
+        errors = [None] * world
+        dist.all_gather_object(errors, error)
+        raise next(e for e in errors if e is not None)
+    return result
 
 
 def load_model(path, dtype, device, fsdp=False, frozen=False):

@@ -16,7 +16,8 @@ Run the tests: python -m pytest -q tests/test_server.py
 
 Simplifications:
 1. One request at a time (a plain HTTPServer: the engine is not thread-safe, and vLLM batches within a request):
-   the trainer ranks' batches are not merged into one vLLM call. No authentication: trusted networks only.
+   the trainer ranks' batches are not merged into one vLLM call, and a weight load never runs during a generation
+   (it waits in the queue). No authentication: trusted networks only.
 2. The client picks the sampling stream (its seed and call number, rollout.py simplification 2), so samples do
    not depend on the order in which the ranks' requests arrive. A server with tensor_parallel_size > 1 runs
    vLLM's own worker processes, which sample from their own RNG: the client's seed then does not pick the
@@ -24,6 +25,9 @@ Simplifications:
 3. Weights are synced as one safetensors snapshot per call (CPU, or any trainer without NCCL to the server: the
    whole model passes through rank 0's host memory), or with vLLM's NCCL weight transfer (GPU: packed buckets,
    a few HTTP calls per sync whatever the parameter count, trl#3557; untested here, it needs CUDA on both sides).
+4. train.py --async generates the next batch on a background thread while it trains: sync_weights opens with a
+   barrier, so every rank's generation in flight is done before rank 0 sends (no batch mixes two weight versions).
+   The version the client names at a sync is what /generate reports (None after a load that named none).
 """
 import http.client
 import json
@@ -54,8 +58,10 @@ def serve(model_path, host="127.0.0.1", port=8000, weight_transfer=None, **engin
     """Run one VLLMEngine behind HTTP until killed. Routes (JSON in, JSON out):
         GET  /health         -> {model, world_size (vLLM workers), weight_transfer ("nccl" | "file")}
         POST /generate       {prompt_ids, n, max_new_tokens, rng_seed, temperature, top_p, ...} (VLLMEngine.sample)
-                             -> {completion_ids, sampling_logps, finished}: one list entry per completion
+                             -> {completion_ids, sampling_logps, finished}: one list entry per completion, and
+                                weight_version: the version the last sync named (simplification 4)
         POST /load_weights   a safetensors file's bytes, or {"path": a safetensors file this server can read}
+        POST /weight_version {version}: names the weights just loaded
         POST /init_weight_transfer_engine, /start_weight_update, /update_weights, /finish_weight_update,
              /shutdown_weight_transfer_engine: vLLM's own RL routes and bodies (vllm/entrypoints/rl/online/
              api_router.py), driven by vLLM's HTTPVLLMWeightSyncClient (weight_transfer="nccl" only)."""
@@ -70,18 +76,23 @@ def serve(model_path, host="127.0.0.1", port=8000, weight_transfer=None, **engin
     llm = engine.llm
     health = dict(model=model_path, world_size=llm.llm_engine.vllm_config.parallel_config.world_size,
                   weight_transfer=weight_transfer)
+    loaded = dict(version=None)  # which weights the engine holds, as the client named them
 
     def load_snapshot(snapshot):  # a safetensors file's path or bytes, into every worker
         llm.collective_rpc(reload_from_safetensors, args=(snapshot,))
         llm.reset_prefix_cache()  # its KV entries were computed with the old weights
+        loaded["version"] = None  # until the client names them
 
     def finish_weight_update(body):
         llm.finish_weight_update(body.get("weight_version"))
         llm.reset_prefix_cache()
+        loaded["version"] = None
 
     routes = {
-        "/generate": lambda body: dict(zip(("completion_ids", "sampling_logps", "finished"), engine.sample(**body))),
+        "/generate": lambda body: dict(zip(("completion_ids", "sampling_logps", "finished"), engine.sample(**body)),
+                                       weight_version=loaded["version"]),
         "/load_weights": lambda body: load_snapshot(body["path"]),
+        "/weight_version": lambda body: loaded.update(version=body["version"]),
         "/init_weight_transfer_engine": llm.init_weight_transfer_engine,  # takes the body: {"init_info": {...}}
         "/start_weight_update": lambda body: llm.start_weight_update(),
         "/update_weights": llm.update_weights,  # {"update_info": {names, dtype_names, shapes}}
@@ -132,6 +143,7 @@ class RemoteEngine(Engine):
         "nccl" = vLLM's NCCL weight transfer (CUDA trainer, server started with --weight-transfer nccl);
         "auto" = nccl when both sides can. nccl_port: the rendezvous port on trainer rank 0 (default: free)."""
         self.url, self.tokenizer, self.seed, self.calls = url.rstrip("/"), tokenizer, seed, 0
+        self.version = self.weight_version = None  # the last sync's version; the server's for the last generate
         self.timeout, self.snapshot_dir, self.nccl_port, self.nccl = timeout, snapshot_dir, nccl_port, None
         self.pad_id = pad_id(tokenizer)
         deadline = time.monotonic() + wait_s
@@ -167,22 +179,38 @@ class RemoteEngine(Engine):
                                   f"--seed) and resume training from the last checkpoint.") from None
 
     def sample(self, prompt_ids, n, max_new_tokens, rng_seed, **sampling):
-        """Every trainer rank sends its own prompts, with its own stream (simplification 2)."""
+        """Every trainer rank sends its own prompts, with its own stream (simplification 2). weight_version: the
+        server's word for the weights that sampled them (simplification 4)."""
         reply = self.request("/generate", dict(prompt_ids=prompt_ids, n=n, max_new_tokens=max_new_tokens,
                                                rng_seed=rng_seed, **sampling))
+        self.weight_version = reply.get("weight_version")
         return reply["completion_ids"], reply["sampling_logps"], reply["finished"]
 
-    def sync_weights(self, model):
-        """Send the trainer's weights (plain, DDP or FSDP2 model) to the server. A collective: every trainer rank
-        calls it, FSDP2 ranks all take part in the gathers, rank 0 sends, and all wait at a barrier so that no
-        rank generates with stale weights. Returns {seconds, bytes}."""
+    def sync_weights(self, model, version=None):
+        """Send the trainer's weights (plain, DDP or FSDP2 model) to the server, named `version` (default: one more
+        than the last sync's, if it named one), which /generate then reports. A collective that every trainer rank
+        calls between its generations: a barrier first (every rank's generation is done: simplification 4), FSDP2
+        ranks all take part in the gathers, rank 0 sends, and all wait for its verdict, so that no rank generates
+        with stale weights and a failed send is the same exception on every rank. Returns {seconds, bytes}."""
         start, counter = time.perf_counter(), {"bytes": 0}
         distributed = dist.is_initialized() and dist.get_world_size() > 1
-        rank = dist.get_rank() if distributed else 0
-        with torch.no_grad():
-            (self.send_nccl if self.weight_transfer == "nccl" else self.send_file)(model, rank, counter)
+        rank, error = dist.get_rank() if distributed else 0, [None]
+        if version is None and self.version is not None:
+            version = self.version + 1  # one more update since the last sync
+        self.version = version
         if distributed:
             dist.barrier()
+        try:
+            with torch.no_grad():
+                (self.send_nccl if self.weight_transfer == "nccl" else self.send_file)(model, rank, counter)
+            if rank == 0 and self.version is not None:
+                self.request("/weight_version", dict(version=self.version))
+        except Exception as e:  # ConnectionError: the server is gone; RuntimeError: it answered with an error
+            error = [e]
+        if distributed:  # rank 0's verdict, to every rank (and the closing barrier)
+            dist.broadcast_object_list(error, src=0)
+        if error[0] is not None:
+            raise error[0]
         return dict(seconds=time.perf_counter() - start, bytes=counter["bytes"])
 
     def send_file(self, model, rank, counter):

@@ -23,7 +23,7 @@ Simplifications (each is a choice, not an accident):
    so that advantages, "batch" scaling and the logged numbers are over the whole batch.
 2. old_logps are recomputed by the trainer only when the update can go off-policy (mu > 1, several
    minibatches, or truncated importance sampling); otherwise the ratio is exactly 1 and only its gradient
-   matters (then clipping never fires, as in nanochat's chat_rl.py).
+   matters (then clipping never fires, as in nanochat's chat_rl.py). --async: against the sampler's (README).
 3. The reference model (beta > 0) is the initial policy, frozen. The LR schedule is linear warmup then
    cosine to lr/10 over all optimizer steps.
 4. A checkpoint holds everything a bit-exact resume needs (checkpoint.py); the data order is a pure function
@@ -50,9 +50,9 @@ from tqdm import tqdm
 import checkpoint
 import task
 from advantage import SCALE_REWARDS, compute_advantages
-from common import (all_ranks_ok, barrier, check_flags, completion_logits, cosine_lr, ddp, fail, load_model, mark,
-                    master, number, print0, prompt_batch, rank, require, seed_all, sequence_logps, setup, startup_line,
-                    step_metrics, world, wrap_ddp)
+from common import (all_ranks_ok, barrier, check_flags, completion_logits, cosine_lr, ddp, fail, in_background,
+                    load_model, mark, master, number, print0, prompt_batch, rank, require, result_everywhere, seed_all,
+                    sequence_logps, setup, startup_line, step_metrics, world, wrap_ddp)
 from loss import IS_LEVELS, LOSS_TYPES, minibatch_tokens, policy_loss, resolve_impl
 from reward import compute_rewards, get_reward_funcs
 from rollout import make_engine, pad_id
@@ -83,6 +83,7 @@ add("--vllm-memory", type=number(float, 0, 1, low_open=True), default=0.3, help=
 add("--vllm-tp", type=int_, default=1, help="colocated vLLM: tensor-parallel over this many ranks")
 add("--vllm-mode", default="colocate", choices=["colocate", "server"], help="server: see --vllm-url")
 add("--vllm-url", default=None, help="server mode: http://HOST:PORT of `python server.py`")
+add("--async", dest="async_", action="store_true", help="server mode: sample the next batch during this update")
 # Rewards
 add("--rewards", nargs="+", default=None, help="built-in names, dotted paths or reward-model dirs")
 add("--reward-weights", type=number(float), nargs="+", default=None, help="one weight per reward")
@@ -179,12 +180,12 @@ try:
                          max_model_len=prompt_limit + args.max_new_tokens, tensor_parallel_size=args.vllm_tp)
 except ImportError as e:
     fail(f"--engine {args.engine}: vLLM is not installed ({e}); pip install -r requirements-cpu.txt, or use --engine hf")
-if args.vllm_mode == "server":  # the server may hold other weights (a restart, a resumed run): start in step
-    engine.sync_weights(model)
-start_step, opt_step = 0, 0
+start_step, opt_step, ahead = 0, 0, None  # ahead: --async's next batch (the loop's step 1)
 if resume_from:  # RNG states last: engine start-up reseeds torch
-    start_step, opt_step = checkpoint.restore(resume_from, saved, raw_model, optimizer, engine, device)
+    start_step, opt_step, ahead = checkpoint.restore(resume_from, saved, raw_model, optimizer, engine, device)
     print0(f"resuming from {resume_from} (step {start_step}); another --out-dir starts a new run")
+if args.vllm_mode == "server":  # the server may hold other weights (a restart, a resumed run): start in step
+    engine.sync_weights(model, version=start_step)  # the weights after start_step updates; each sync then adds 1
 mark("engine")
 print0(f"engine {type(engine).__name__}, {world} rank(s), device {device}, loss {loss_impl}, "
        f"{sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M params, {len(train_rows)} train prompts")
@@ -204,6 +205,14 @@ def score(funcs, rows, rollout):
     if not all_ranks_ok(error is None):
         fail(str(error) if error else "another rank's reward function failed (see its message)", everywhere=False)
     return rewards
+
+
+def sample(step):
+    """-> this rank's prompts of a step, their G completions each, the server's weight version (or None), seconds."""
+    t0, idx = time.time(), task.batch_indices(len(train_rows), step - 1, args.prompts_per_step, rank, world, args.seed)
+    rollout = engine.generate([train_ids[i] for i in idx], args.G, args.max_new_tokens, temperature=args.temperature,
+                              top_p=args.top_p)
+    return idx, rollout, getattr(engine, "weight_version", None), time.time() - t0
 
 
 @torch.no_grad()
@@ -234,16 +243,13 @@ t_start = time.time()
 for step in (bar := tqdm(range(start_step + 1, args.steps + 1), initial=start_step, total=args.steps,
                          disable=not master, dynamic_ncols=True)):
     times = {}
-    # 1) sample G completions for each of this rank's prompts
-    t0 = time.time()
-    idx = task.batch_indices(len(train_rows), step - 1, args.prompts_per_step, rank, world, args.seed)
+    # 1) sample G completions for each of this rank's prompts (--async: sampled while the last step trained)
+    idx, rollout, sampler_version, times["rollout"] = ahead or sample(step)
+    ahead = in_background(sample, step + 1) if args.async_ and step < args.steps else None  # --async: the next one
     rows = [train_rows[i] for i in idx for _ in range(args.G)]  # (N,) the dataset row of each completion
-    rollout = engine.generate([train_ids[i] for i in idx], args.G, args.max_new_tokens, temperature=args.temperature,
-                              top_p=args.top_p)
     completion_ids = rollout.completion_ids.to(device)  # (N, T)
     completion_mask = rollout.completion_mask.to(device).float()  # (N, T)
     N, T = completion_ids.shape
-    times["rollout"] = time.time() - t0
 
     # 2) rewards (N, F), gathered from every rank -> group-relative advantages (N,)
     t0 = time.time()
@@ -264,9 +270,10 @@ for step in (bar := tqdm(range(start_step + 1, args.steps + 1), initial=start_st
     off_policy = args.num_iterations > 1 or minibatch < N or args.tis_cap > 0
     model.eval()  # no dropout: the ratio must compare the same function
     by_micro = dict(temperature=args.temperature, micro=micro, dtype=dtype)  # forwards of micro sequences, as below
-    old_logps = sequence_logps(raw_model, prompts, completion_ids, **by_micro) if off_policy else None  # (N, T)
-    ref_logps = sequence_logps(ref_model, prompts, completion_ids, **by_micro) if ref_model is not None else None  # (N, T)
     sampling_logps = rollout.sampling_logps.to(device)  # (N, T)
+    old_logps = (sampling_logps if args.async_ and not args.tis_cap else  # --async: the behaviour policy's (README)
+                 sequence_logps(raw_model, prompts, completion_ids, **by_micro) if off_policy else None)  # (N, T)
+    ref_logps = sequence_logps(ref_model, prompts, completion_ids, **by_micro) if ref_model is not None else None  # (N, T)
     micro_metrics, grad_norms = [], []
     for _ in range(args.num_iterations):
         for mb in range(0, N, minibatch):
@@ -303,7 +310,10 @@ for step in (bar := tqdm(range(start_step + 1, args.steps + 1), initial=start_st
             opt_step += 1
     times["update"] = time.time() - t0
 
-    # 4) push the new weights into the rollout engine
+    # 4) push the new weights into the rollout engine (--async: between generations, once the next batch is in)
+    if ahead:
+        t0 = time.time()
+        ahead, times["wait"] = result_everywhere(ahead), time.time() - t0  # how long the trainer waited for it
     times["sync"] = engine.sync_weights(model)["seconds"]
 
     # 5) log: one JSON record per step (rank 0), evaluate and checkpoint on schedule
@@ -314,6 +324,8 @@ for step in (bar := tqdm(range(start_step + 1, args.steps + 1), initial=start_st
                   sampled_entropy=-(sampling_logps * completion_mask).sum().item() / completion_mask.sum().item(),
                   len_mean=lengths.mean().item(), len_min=lengths.min().item(), len_max=lengths.max().item(),
                   truncated=1 - rollout.is_finished.float().mean().item(),
+                  **({} if sampler_version is None else dict(  # server mode: which weights sampled and trained it
+                      sampler_version=sampler_version, policy_version=step - 1, staleness=step - 1 - sampler_version)),
                   **({"mem_peak_gb": torch.cuda.max_memory_allocated() / 2**30} if device.type == "cuda" else {}),
                   **{f"time_{k}": v for k, v in times.items()},
                   tokens_per_s=lengths.sum().item() * world / times["rollout"], elapsed=time.time() - t_start)
@@ -332,7 +344,7 @@ for step in (bar := tqdm(range(start_step + 1, args.steps + 1), initial=start_st
             wandb_run.log(record, step=step)
     if step % args.save_every == 0 or step == args.steps:
         checkpoint.save(ckpt_root, step, raw_model, optimizer, engine, tokenizer,
-                        dict(step=step, opt_step=opt_step, config=run_config), args.keep_last, device)
+                        dict(step=step, opt_step=opt_step, config=run_config), args.keep_last, device, ahead)
 
 # -----------------------------------------------------------------------------
 # The final policy (loadable by transformers and servable by vLLM), the plot, clean-up

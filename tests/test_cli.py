@@ -92,6 +92,7 @@ RULE_CASES = {  # name: (args, expected text): the rules between flags (common.c
     "triton + sequence IS": (["--loss-impl", "triton", "--importance-sampling-level", "sequence"], "token only"),
     "model path missing": (["--model", "/no/such/model"], "no such directory"),
     "fsdp on one process": (["--fsdp"], "--fsdp shards over ranks"),
+    "async without a server": (["--async"], "--async overlaps a rollout server's generation with the update"),
 }
 
 
