@@ -27,7 +27,7 @@ Simplifications (each is a choice, not an accident):
 3. The reference model (beta > 0) is the initial policy, frozen. The LR schedule is linear warmup then
    cosine to lr/10 over all optimizer steps.
 4. A checkpoint holds everything a bit-exact resume needs (checkpoint.py); the data order is a pure function
-   of seed and step.
+   of seed and prompts consumed (one --prompts-per-step a round: one round a step, more with --dynamic-sampling).
 5. Mixed precision: --dtype is the compute dtype (autocast); the policy and AdamW stay fp32, the reference and the
    rollout engine hold --dtype weights (common.py). Old and reference log-probs run micro-batch by micro-batch.
 """

@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from helpers import run_train, without_timings
 from reward import pass_at_k
 
 HAND = [  # (n, c, k, pass@k) worked out by hand: 1 - C(n-c, k) / C(n, k)
@@ -41,3 +42,15 @@ def test_pass_at_k_matches_the_binomial_form_and_stays_finite_at_large_n():
 def test_pass_at_k_refuses_impossible_counts(n, c, k):
     with pytest.raises(ValueError, match="pass@k needs 0 <= c <= n and 1 <= k <= n"):
         pass_at_k(n, c, k)
+
+
+def test_eval_samples_leave_training_unchanged(tmp_path):
+    """The sampled evaluation is one engine call whatever --eval-samples, so the training's sampling streams (seeded
+    by the engine's call number) and every training metric stay those of a run without pass@k."""
+    args = ["--engine", "hf", "--steps", "2", "--eval-every", "1", "--eval-size", "8", "--prompts-per-step", "4"]
+    _, _, plain = run_train(args, tmp_path / "plain")
+    _, _, passk = run_train(args + ["--eval-samples", "3", "--eval-k", "2"], tmp_path / "passk")
+    assert all("pass@2" in r and "pass@3" not in r for r in passk) and not any("pass@2" in r for r in plain)
+    training = lambda records: [{k: v for k, v in r.items() if not k.startswith(("eval_", "pass@"))}  # noqa: E731
+                                for r in without_timings(records)]
+    assert training(plain) == training(passk) and len(plain) == 3
