@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 import task
 from common import dynamic_sampling
-from helpers import read_metrics, run_train, without_timings
+from helpers import run_train, without_timings
 from known_rewards import EVAL_SAMPLES, correct_samples, informative
 from rollout import Rollout
 
@@ -19,8 +19,8 @@ PAD = 0
 
 
 def make_round(prompts, rewards, G, T):
-    """One round of a rank: (rows, Rollout, rewards (n*G, F)) for the prompts, completion g of prompt p being the
-    tokens [10p + g] * its length; rewards: one list of F values per completion."""
+    """One round of a rank: (rows, Rollout, rewards (n*G, F)) for the prompts; completion i (the g-th of its prompt)
+    is token 10 * (its prompt's index) + g + 1, 1 + i % T times; rewards: one list of F values per completion."""
     rows = [{"prompt": p} for p in prompts for _ in range(G)]
     ids = torch.full((len(rows), T), PAD)  # (N, T)
     mask = torch.zeros(len(rows), T)  # (N, T)
