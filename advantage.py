@@ -28,30 +28,43 @@ import torch
 SCALE_REWARDS = ("group", "batch", "none")
 
 
+def total_rewards(rewards, weights):
+    """rewards (N, F) with NaN for None, weights (F,) -> r (N,) = sum_f w_f * R_if, NaN where every function said
+    None."""
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be (N, F) = (completions, reward functions), got shape {tuple(rewards.shape)}")
+    weights = torch.as_tensor(weights, dtype=rewards.dtype, device=rewards.device)
+    if weights.shape != (rewards.shape[1],):
+        raise ValueError(f"weights must have one entry per reward function ({rewards.shape[1]}), got shape "
+                         f"{tuple(weights.shape)}")
+    no_reward = rewards.isnan().all(dim=1)  # (N,)
+    return (rewards * weights).nansum(dim=1).masked_fill(no_reward, float("nan"))  # (N,)
+
+
+def zero_spread(r, G):
+    """r (N,) -> (N/G,) bool: groups whose valid rewards are all equal (or none valid), max <= min compared exactly.
+    They carry no signal (simplification 2); train.py --dynamic-sampling drops them (common.dynamic_sampling)."""
+    grouped = r.view(-1, G)  # (N/G, G)
+    valid = ~grouped.isnan()  # (N/G, G)
+    return grouped.masked_fill(~valid, -torch.inf).amax(1) <= grouped.masked_fill(~valid, torch.inf).amin(1)
+
+
 def compute_advantages(rewards, weights, G, scale_rewards="group", eps=1e-4):
     """rewards (N, F) with NaN for None, weights (F,) -> (advantages (N,), stats dict of floats)."""
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards={scale_rewards!r}: choose one of {SCALE_REWARDS}")
-    if rewards.dim() != 2:
-        raise ValueError(f"rewards must be (N, F) = (completions, reward functions), got shape {tuple(rewards.shape)}")
+    r = total_rewards(rewards, weights)  # (N,)
     N, F = rewards.shape
     if G < 2 or N % G != 0:
         raise ValueError(f"{N} rewards do not split into groups of G={G} completions per prompt "
                          f"(need G >= 2 and N a multiple of G)")
-    weights = torch.as_tensor(weights, dtype=rewards.dtype, device=rewards.device)
-    if weights.shape != (F,):
-        raise ValueError(f"weights must have one entry per reward function ({F}), got shape {tuple(weights.shape)}")
-
-    no_reward = rewards.isnan().all(dim=1)  # (N,)
-    r = (rewards * weights).nansum(dim=1).masked_fill(no_reward, float("nan"))  # (N,)
     grouped = r.view(-1, G)  # (N/G, G)
     valid = ~grouped.isnan()  # (N/G, G)
     count = valid.sum(dim=1, keepdim=True)  # (N/G, 1)
     mean = grouped.nansum(dim=1, keepdim=True) / count.clamp(min=1)  # (N/G, 1)
     centered = (grouped - mean).masked_fill(~valid, 0.0)  # (N/G, G)
     group_std = (centered.square().sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()  # (N/G, 1)
-    # all valid rewards equal (or none valid): max <= min, compared exactly
-    no_signal = grouped.masked_fill(~valid, -torch.inf).amax(1) <= grouped.masked_fill(~valid, torch.inf).amin(1)
+    no_signal = zero_spread(r, G)  # (N/G,)
 
     if scale_rewards == "group":
         advantages = centered / (group_std + eps)

@@ -2,7 +2,7 @@
 
     out/checkpoints/step_NNNNNN/
         model/           safetensors + tokenizer (save_pretrained: transformers and vLLM load it)
-        trainer.pt       optimizer state, step, optimizer step, the run configuration it belongs to
+        trainer.pt       optimizer state, step, optimizer step, prompts consumed, the run configuration it belongs to
         rng_rank{R}.pt   rank R's RNG states (python, numpy, torch, cuda), its rollout engine's state, and with
                          --async its next batch, already sampled (a resumed run trains on it, as the straight one)
         complete.json    written last: the size of every file above
@@ -17,7 +17,8 @@ configuration that differs from the one that wrote it.
     find(root)                         -> the latest complete checkpoint, and the incomplete ones it skipped
     load(path, run_config)             -> its trainer state; ValueError if another configuration wrote it
     save(root, step, ...)              write step_N.tmp on every rank, fsync, mark complete, rename, keep the last K
-    restore(path, saved, ...)          optimizer, RNG states and engine state -> (step, optimizer step, next batch)
+    restore(path, saved, ...)          optimizer, RNG states, engine state -> (step, optimizer step, prompts consumed,
+                                       next batch)
     open_metrics(path, step)           metrics.jsonl cut back to the checkpoint's step (a torn last line dropped)
 
 Run the tests: python -m pytest -q tests/test_resume.py
@@ -26,7 +27,8 @@ Simplifications:
 1. Every rank writes its own RNG file into a shared folder (one node, or a shared file system).
 2. Model and optimizer are gathered to full tensors on rank 0 (FSDP2 too): simple, and a checkpoint loads on any
    number of ranks; the cost is rank 0's host memory for one full copy.
-3. The data order is a pure function of (seed, step) (task.batch_indices), so it needs no state.
+3. The data order is a pure function of (seed, prompts consumed) (task.batch_indices): the count is all it needs
+   (step * prompts per step, unless --dynamic-sampling drew extra rounds).
 4. Completeness is file sizes (complete.json), not checksums: it catches a crash mid-write, a missing or truncated
    file, not a bit flipped in place. The lock is flock(2): local file systems, and NFS through its lock manager.
 """
@@ -53,7 +55,8 @@ _held = []  # the open lock file: the lock lasts as long as this process
 def run_config(args, world):
     """The arguments a resumed run must share with its checkpoint (not those that only change speed or logging)."""
     skip = ("steps", "eval_every", "eval_size", "save_every", "keep_last", "resume", "out_dir", "wandb", "threads",
-            "engine", "vllm_memory", "vllm_url", "loss_impl", "micro_batch_size", "reward_timeout")
+            "engine", "vllm_memory", "vllm_url", "loss_impl", "micro_batch_size", "reward_timeout", "eval_reward",
+            "eval_samples", "eval_k")
     return {k: v for k, v in vars(args).items() if k not in skip} | dict(world_size=world)
 
 
@@ -229,15 +232,16 @@ def save(root, step, model, optimizer, engine, tokenizer, trainer_state, keep_la
 
 
 def restore(path, saved, model, optimizer, engine, device):
-    """Load the optimizer, then this rank's RNG states and engine state -> (step, optimizer step, the pending batch
-    save() was given or None). Call it after the engine is built: vLLM's start-up reseeds the global RNGs."""
+    """Load the optimizer, then this rank's RNG states and engine state -> (step, optimizer step, prompts consumed
+    from the data stream, the pending batch save() was given or None). Call it after the engine is built: vLLM's
+    start-up reseeds the global RNGs."""
     set_optimizer_state_dict(model, optimizer, saved["optimizer"], options=StateDictOptions(full_state_dict=True))
     rng = torch.load(os.path.join(path, f"rng_rank{rank}.pt"), weights_only=False)
     random.setstate(rng["python"]), np.random.set_state(rng["numpy"]), torch.set_rng_state(rng["torch"])
     engine.load_state_dict(rng["engine"])
     if device.type == "cuda":
         torch.cuda.set_rng_state(rng["cuda"])
-    return saved["step"], saved["opt_step"], rng.get("pending")
+    return saved["step"], saved["opt_step"], saved["prompts_consumed"], rng.get("pending")
 
 
 def open_metrics(path, keep_until, log=print):

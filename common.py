@@ -1,6 +1,7 @@
 """Small helpers train.py needs and that are not a stage: rank-0 printing, one-line errors that stop every rank
 together, flag ranges, the distributed set-up, the model load (FSDP2 / DDP, mixed precision), the model's
-forward to completion logits and log-probs, and the step's metrics over micro-batches and ranks.
+forward to completion logits and log-probs, the step's metrics over micro-batches and ranks, and DAPO's dynamic
+sampling (the rounds of a step's rollouts when --dynamic-sampling is on).
 
     rank, world, master, ddp   from torchrun's environment (RANK, WORLD_SIZE); 0, 1, True, False alone
     print0(...)                print on rank 0 only
@@ -10,6 +11,7 @@ forward to completion logits and log-probs, and the step's metrics over micro-ba
     setup(threads, dtype)      process group, device, threads; under torchrun, stop when the launcher dies
     in_background(fn, *args)   fn(*args) on a daemon thread -> a Future (train.py --async: the next batch)
     result_everywhere(future)  its result, or on every rank the exception it raised on any
+    dynamic_sampling(...)      after each round of a step's rollouts: another round, or its informative groups
 
 Mixed precision, as PyTorch users expect: the policy's weights, gradients and AdamW states are fp32 and only the
 compute runs in --dtype (torch.autocast; FSDP2's MixedPrecisionPolicy casts the gathered weights and reduces
@@ -18,6 +20,7 @@ step at lr 1e-6 moved 2.2% of the tiny model's weights. The frozen reference is 
 engine gets the weights in its own dtype at each sync.
 """
 import argparse
+import dataclasses
 import importlib
 import logging
 import math
@@ -33,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from advantage import total_rewards, zero_spread
 from loss import selective_log_softmax
 
 rank = int(os.environ.get("RANK", 0))
@@ -103,6 +107,14 @@ def check_flags(args):
         (n_local == 0 or not (n_local % minibatch or minibatch % micro),  # n_local 0: said above
          f"--micro-batch-size {micro} must divide --minibatch-size {minibatch}, which must divide the {n_local} "
          f"completions per rank per step (prompts-per-step / ranks * G)"),
+        (args.dynamic_sampling != 1, "--dynamic-sampling 1 draws no second round, so it drops no group: give the most "
+                                     "rounds a step may draw (>= 2), or 0 for off"),
+        (not (args.async_ and args.dynamic_sampling), "--async samples one round ahead; --dynamic-sampling's extra "
+                                                      "rounds would sample in step with the update: use one of them"),
+        (args.eval_samples or not args.eval_k, "--eval-k needs --eval-samples n: pass@k is estimated from n sampled "
+                                               "completions per held-out prompt"),
+        (all(k <= args.eval_samples for k in args.eval_k or ()), f"--eval-k {' '.join(map(str, args.eval_k or ()))}: "
+                                                                 f"each k must be <= --eval-samples {args.eval_samples}"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -345,6 +357,53 @@ def step_metrics(micro_metrics, grad_norms):
         values = values.cpu() / torch.tensor([1.0] * (len(keys) + 1) + [world, world], dtype=torch.float64)
     return dict({k: (v / values[-3]).item() for k, v in zip(keys, values)}, loss=values[-2].item(),
                 grad_norm=values[-1].item())
+
+
+def dynamic_sampling(rounds, max_rounds, G, weights, pad_id):
+    """DAPO's dynamic sampling (arXiv 2503.14476, sec. 3.2), called after each round of a step's rollouts: a group
+    whose G weighted total rewards are all equal has advantage 0 and no gradient, so it is dropped, and more rounds
+    of prompts are drawn until this rank holds its quota (its share of --prompts-per-step) of the others.
+    rounds: this rank's rounds so far, [(rows, Rollout, rewards (quota*G, F))]; max_rounds: the bound (0: off).
+    -> None when another round is due (on every rank alike), else ((rows, Rollout, rewards) of quota groups, the
+    step's metrics: rounds drawn, groups generated and informative groups kept, over all ranks; {} when off).
+    1. Each rank fills its own quota from its own rounds: the G completions of a prompt never leave their rank,
+       and every rank ends with quota groups (static shapes: the rewards all-gather and DDP stay matched).
+    2. A round is drawn on every rank while any rank is short (a MIN all-reduce), so a rank that is full still
+       samples a round, and wastes it: the engines' call numbers and the prompt stream stay in step on every rank.
+    3. At the bound a rank still short tops up with zero-spread groups of its last round (they add no gradient):
+       the step trains on what there is, and ds_groups_informative < --prompts-per-step says so.
+    4. Informative groups beyond the quota are dropped, not kept for the next step, where they would be
+       off-policy and a checkpoint would have to hold them."""
+    if max_rounds == 0:
+        return rounds[0], {}
+    quota, flat = len(rounds[0][0]) // G, [zero_spread(total_rewards(part[2], weights), G) for part in rounds]
+    informative = [(part, g) for part, f in zip(rounds, flat) for g in (~f).nonzero().flatten().tolist()]
+    if len(rounds) < max_rounds and not all_ranks_ok(len(informative) >= quota):
+        return None
+    top_up = [(rounds[-1], g) for g in flat[-1].nonzero().flatten().tolist()]  # (3.)
+    kept = torch.tensor([min(len(informative), quota)], device=collective_device() if ddp else "cpu")
+    if ddp:
+        dist.all_reduce(kept)
+    return take_groups((informative + top_up)[:quota], G, pad_id), dict(
+        ds_rounds=len(rounds), ds_groups_generated=len(rounds) * quota * world, ds_groups_informative=int(kept))
+
+
+def take_groups(picks, G, pad_id):
+    """[((rows, Rollout, rewards), group index)] -> (rows, Rollout, rewards) of those groups, in that order. Rounds
+    differ in their longest completion: (N, T) tensors are right-padded to the longest (pad id, mask 0)."""
+    T = max(part[1].completion_ids.shape[1] for part, _ in picks)
+    rows, rewards, fields = [], [], {}
+    for (part_rows, rollout, part_rewards), g in picks:
+        s = slice(g * G, (g + 1) * G)  # the group's G completions
+        rows += part_rows[s]
+        rewards.append(part_rewards[s])  # (G, F)
+        for f in dataclasses.fields(rollout):
+            x = getattr(rollout, f.name)[s]
+            if isinstance(x, torch.Tensor) and x.dim() == 2:  # (G, T of its round) -> (G, T)
+                x = torch.nn.functional.pad(x, (0, T - x.shape[1]), value=pad_id if f.name == "completion_ids" else 0)
+            fields.setdefault(f.name, []).append(x)
+    joined = {k: torch.cat(v) if isinstance(v[0], torch.Tensor) else sum(v, []) for k, v in fields.items()}
+    return rows, type(rollout)(**joined), torch.cat(rewards)  # (N,), Rollout of N, (N, F)
 
 
 def wrap_ddp(model, device):

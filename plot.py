@@ -1,5 +1,6 @@
 """
-Plot a run's metrics.jsonl: reward, held-out accuracy, KL and completion length against step.
+Plot a run's metrics.jsonl: reward, held-out accuracy (and pass@k with --eval-samples), KL and completion length
+against step.
 
     python plot.py out            # writes out/metrics.png (train.py also does this at the end of a run)
 
@@ -19,13 +20,14 @@ def plot_metrics(metrics_path, png_path=None):
     records = [json.loads(line) for line in open(metrics_path)]
     png_path = png_path or os.path.join(os.path.dirname(metrics_path), "metrics.png")
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.5))
-    panels = [("reward", ["reward_mean"]), ("held-out accuracy", ["eval_greedy", "eval_sampled"]),
+    passes = sorted({k for r in records for k in r if k.startswith("pass@")}, key=lambda k: int(k[5:]))  # pass@1, ..
+    panels = [("reward", ["reward_mean"]), ("held-out accuracy", ["eval_greedy", "eval_sampled", *passes]),
               ("KL to reference", ["kl"]), ("completion length (tokens)", ["len_mean"])]
     for ax, (title, keys) in zip(axes, panels):
         for key in keys:
             points = [(r["step"], r[key]) for r in records if key in r]
             if points:
-                ax.plot(*zip(*points), marker="o" if key.startswith("eval") else None, label=key)
+                ax.plot(*zip(*points), marker="o" if key.startswith(("eval", "pass@")) else None, label=key)
         if not ax.lines:
             note = "not logged (needs --beta > 0)" if keys == ["kl"] else "not logged"
             ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes)

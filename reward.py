@@ -20,6 +20,8 @@ Built-ins (REWARD_FUNCS, picked by name on the command line):
 and the factory get_soft_overlong_punishment(L_max, L_cache), DAPO (arXiv 2503.14476) eq. 13:
     R(y) = 0 if |y| <= L_max - L_cache;  (L_max - L_cache - |y|) / L_cache if |y| <= L_max;  -1 beyond.
 
+pass_at_k(n, c, k) is the evaluation's unbiased pass@k estimate (train.py --eval-samples, --eval-k).
+
 A learned reward model is a reward function too: get_reward_model_func(path) scores prompt + completion
 with an AutoModelForSequenceClassification of one label (its logit is the reward).
 
@@ -274,3 +276,14 @@ def compute_rewards(funcs, prompts, completions, timeout=None, /, **columns):
                                  f"({_text(completions[i])!r:.80}): return a finite float32, or None for no opinion")
             rewards[i, f] = float(v)
     return rewards
+
+
+def pass_at_k(n, c, k):
+    """The probability that at least one of k completions passes, estimated without bias from n >= k samples of which
+    c passed (Chen et al. 2021, arXiv 2107.03374, eq. 1): 1 - C(n-c, k) / C(n, k), as their numpy snippet computes it,
+    a product instead of binomials that overflow: 1 - prod_{i=n-c+1}^{n} (1 - k/i)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:  # every k-subset holds a passing sample
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))

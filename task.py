@@ -135,14 +135,16 @@ def defaults(builtin_task, tiny_model, digits, rewards=None):
     return recipe | dict(lr=3e-4 if tiny_model else 1e-6) | (dict(reward_weights=[1.0] * len(rewards)) if rewards else {})
 
 
-def batch_indices(num_rows, step, per_step, rank, world, seed):
-    """This rank's row indices for a step: shuffled once per epoch by the seed (the same order on every rank),
-    a pure function of (seed, step) so that a resumed run draws what the uninterrupted one would.
-    Global draw g (step * per_step + rank's offset + i) is position g % num_rows of epoch g // num_rows's
-    permutation: a step that crosses an epoch boundary ends the old epoch, then starts the new one, and every
-    epoch draws each prompt exactly once."""
+def batch_indices(num_rows, consumed, per_step, rank, world, seed):
+    """This rank's row indices for the next per_step prompts of the stream, after `consumed` prompts were drawn
+    (step * per_step without --dynamic-sampling, which draws several such rounds per step): the rows are shuffled
+    once per epoch by the seed (the same order on every rank), a pure function of (seed, consumed) so that a
+    resumed run draws what the uninterrupted one would.
+    Global draw g (consumed + rank's offset + i) is position g % num_rows of epoch g // num_rows's permutation:
+    a batch that crosses an epoch boundary ends the old epoch, then starts the new one, and every epoch draws
+    each prompt exactly once."""
     per_rank = per_step // world
-    first = step * per_step + rank * per_rank  # this rank's first global draw
+    first = consumed + rank * per_rank  # this rank's first global draw
     orders = {}
     for epoch in {g // num_rows for g in range(first, first + per_rank)}:
         orders[epoch] = list(range(num_rows))

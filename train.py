@@ -27,7 +27,7 @@ Simplifications (each is a choice, not an accident):
 3. The reference model (beta > 0) is the initial policy, frozen. The LR schedule is linear warmup then
    cosine to lr/10 over all optimizer steps.
 4. A checkpoint holds everything a bit-exact resume needs (checkpoint.py); the data order is a pure function
-   of seed and step.
+   of seed and prompts consumed (one --prompts-per-step a round: one round a step, more with --dynamic-sampling).
 5. Mixed precision: --dtype is the compute dtype (autocast); the policy and AdamW stay fp32, the reference and the
    rollout engine hold --dtype weights (common.py). Old and reference log-probs run micro-batch by micro-batch.
 """
@@ -50,11 +50,11 @@ from tqdm import tqdm
 import checkpoint
 import task
 from advantage import SCALE_REWARDS, compute_advantages
-from common import (all_ranks_ok, barrier, check_flags, completion_logits, cosine_lr, ddp, fail, in_background,
-                    load_model, mark, master, number, print0, prompt_batch, rank, require, result_everywhere, seed_all,
-                    sequence_logps, setup, startup_line, step_metrics, world, wrap_ddp)
+from common import (all_ranks_ok, barrier, check_flags, completion_logits, cosine_lr, ddp, dynamic_sampling, fail,
+                    in_background, load_model, mark, master, number, print0, prompt_batch, rank, require,
+                    result_everywhere, seed_all, sequence_logps, setup, startup_line, step_metrics, world, wrap_ddp)
 from loss import IS_LEVELS, LOSS_TYPES, minibatch_tokens, policy_loss, resolve_impl
-from reward import compute_rewards, get_reward_funcs
+from reward import compute_rewards, get_reward_funcs, pass_at_k
 from rollout import make_engine, pad_id
 
 # -----------------------------------------------------------------------------
@@ -74,6 +74,8 @@ add("--task-digits", type=number(int, 1, 6), default=3, help="built-in task: dig
 # Rollouts
 add("--G", type=number(int, 2, why=" (a group needs two completions to compare)"), default=8, help="completions per prompt")
 add("--prompts-per-step", type=int_, default=32, help="prompts per step, all ranks together")
+add("--dynamic-sampling", type=number(int, 0), default=0, metavar="ROUNDS",
+    help="DAPO: replace groups of equal rewards by new prompts, at most ROUNDS rounds a step (0: off)")
 add("--max-prompt-len", type=int_, default=512, help="longer prompts are dropped (with a warning)")
 add("--max-new-tokens", type=int_, default=None, help="completion limit (task default: digits+1 / 512)")
 add("--temperature", type=number(float, 0, low_open=True, why=" for GRPO sampling (greedy completions never differ)"), default=1.0)
@@ -88,6 +90,7 @@ add("--async", dest="async_", action="store_true", help="server mode: sample the
 add("--rewards", nargs="+", default=None, help="built-in names, dotted paths or reward-model dirs")
 add("--reward-weights", type=number(float), nargs="+", default=None, help="one weight per reward")
 add("--scale-rewards", default="group", choices=SCALE_REWARDS)
+add("--eval-reward", default=None, help="held-out accuracy's reward, like --rewards (task default: exact match / accuracy)")
 add("--reward-timeout", type=number(float, 0, 1800, low_open=True), default=300,  # under gloo's 1800 s, NCCL's 600
     help="seconds a reward function may take on a batch; more ends the run, naming it")
 # Optimization
@@ -111,6 +114,8 @@ add("--loss-impl", default="auto", choices=["auto", "triton", "torch"], help="au
 # Evaluation, checkpoints, logging, runtime
 add("--eval-every", type=number(int, 0), default=50, help="held-out evaluation every N steps (0: end only)")
 add("--eval-size", type=int_, default=500, help="held-out prompts evaluated")
+add("--eval-samples", type=number(int, 0), default=0, help="sampled completions per held-out prompt: pass@k (0: 1, off)")
+add("--eval-k", type=int_, nargs="+", default=None, help="pass@k for each k <= --eval-samples n (default: 1 and n)")
 add("--save-every", type=int_, default=100, help="checkpoint every N steps (and at the end)")
 add("--keep-last", type=int_, default=2, help="checkpoints kept")
 add("--resume", default="auto", choices=["auto", "yes", "no"], help="auto: continue the out-dir's run if any")
@@ -130,6 +135,7 @@ for k, v in task.defaults(builtin_task, tiny, args.task_digits, args.rewards).it
     if getattr(args, k, None) is None:
         setattr(args, k, v)
 check_flags(args)  # the rules between flags (common.py); argparse checked each flag's own range
+args.eval_k = sorted(set(args.eval_k or [1, args.eval_samples])) if args.eval_samples else []
 n_local = args.prompts_per_step // world * args.G  # completions per rank per step
 minibatch = args.minibatch_size or n_local  # completions per optimizer step
 micro = args.micro_batch_size or minibatch  # completions per forward/backward
@@ -180,9 +186,9 @@ try:
                          max_model_len=prompt_limit + args.max_new_tokens, tensor_parallel_size=args.vllm_tp)
 except ImportError as e:
     fail(f"--engine {args.engine}: vLLM is not installed ({e}); pip install -r requirements-cpu.txt, or use --engine hf")
-start_step, opt_step, ahead = 0, 0, None  # ahead: --async's next batch (the loop's step 1)
+start_step, opt_step, consumed, ahead = 0, 0, 0, None  # consumed: prompts drawn (task.batch_indices); ahead: --async
 if resume_from:  # RNG states last: engine start-up reseeds torch
-    start_step, opt_step, ahead = checkpoint.restore(resume_from, saved, raw_model, optimizer, engine, device)
+    start_step, opt_step, consumed, ahead = checkpoint.restore(resume_from, saved, raw_model, optimizer, engine, device)
     print0(f"resuming from {resume_from} (step {start_step}); another --out-dir starts a new run")
 if args.vllm_mode == "server":  # the server may hold other weights (a restart, a resumed run): start in step
     engine.sync_weights(model, version=start_step)  # the weights after start_step updates; each sync then adds 1
@@ -207,24 +213,30 @@ def score(funcs, rows, rollout):
     return rewards
 
 
-def sample(step):
-    """-> this rank's prompts of a step, their G completions each, the server's weight version (or None), seconds."""
-    t0, idx = time.time(), task.batch_indices(len(train_rows), step - 1, args.prompts_per_step, rank, world, args.seed)
+def sample(consumed):
+    """-> this rank's share of the next prompts (a row per completion), their G completions each, the server's weight
+    version (None off server mode), seconds."""
+    t0, idx = time.time(), task.batch_indices(len(train_rows), consumed, args.prompts_per_step, rank, world, args.seed)
     rollout = engine.generate([train_ids[i] for i in idx], args.G, args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p)
-    return idx, rollout, getattr(engine, "weight_version", None), time.time() - t0
+    return [train_rows[i] for i in idx for _ in range(args.G)], rollout, getattr(engine, "weight_version", None), \
+        time.time() - t0
 
 
 @torch.no_grad()
 def evaluate():
-    """Held-out accuracy, greedy (temperature 0) and sampled, over all ranks."""
-    rows, ids = eval_rows[rank::world], eval_ids[rank::world]
-    totals = [torch.nan_to_num(score([eval_func], rows, engine.generate(
-        ids, 1, args.max_new_tokens, temperature=t, top_p=args.top_p))[:, 0]).sum() for t in (0.0, args.temperature)]
-    totals = torch.stack(totals + [torch.tensor(float(len(rows)))]).to(device)  # (correct greedy, sampled, count)
+    """Held-out accuracy, greedy (temperature 0) and sampled (mean of n = --eval-samples or 1 per prompt), and pass@k
+    of those n (reward.pass_at_k: a completion passes when its eval reward is >= 1), over all ranks."""
+    rows, ids, n = eval_rows[rank::world], eval_ids[rank::world], args.eval_samples or 1
+    greedy, sampled = (torch.nan_to_num(score([eval_func], [r for r in rows for _ in range(g)], engine.generate(
+        ids, g, args.max_new_tokens, temperature=t, top_p=args.top_p))[:, 0]).view(-1, g)  # (prompts, g)
+        for t, g in ((0.0, 1), (args.temperature, n)))
+    passes = [sum(pass_at_k(n, int(c), k) for c in (sampled >= 1).sum(1)) for k in args.eval_k]
+    totals = torch.tensor([greedy.sum(), sampled.mean(1).sum(), *passes, len(rows)], device=device)  # sums, count
     if ddp:
         dist.all_reduce(totals)
-    return dict(eval_greedy=(totals[0] / totals[2]).item(), eval_sampled=(totals[1] / totals[2]).item())
+    return dict(eval_greedy=(totals[0] / totals[-1]).item(), eval_sampled=(totals[1] / totals[-1]).item(),
+                **{f"pass@{k}": (p / totals[-1]).item() for k, p in zip(args.eval_k, totals[2:])})
 
 
 # -----------------------------------------------------------------------------
@@ -233,7 +245,8 @@ metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
 metrics_file = checkpoint.open_metrics(metrics_path, start_step if resume_from else None) if master else None
 if not resume_from:
     record = dict(step=0, **evaluate())
-    print0(f"step 0: held-out accuracy greedy {record['eval_greedy']:.3f} sampled {record['eval_sampled']:.3f}")
+    print0(f"step 0: held-out accuracy greedy {record['eval_greedy']:.3f} sampled {record['eval_sampled']:.3f}"
+           + "".join(f" {k} {v:.3f}" for k, v in record.items() if k.startswith("pass@")))
     if master:
         metrics_file.write(json.dumps(record) + "\n")
     mark("first evaluation")
@@ -242,18 +255,25 @@ opt_steps_total = args.steps * args.num_iterations * (n_local // minibatch)
 t_start = time.time()
 for step in (bar := tqdm(range(start_step + 1, args.steps + 1), initial=start_step, total=args.steps,
                          disable=not master, dynamic_ncols=True)):
-    times = {}
-    # 1) sample G completions for each of this rank's prompts (--async: sampled while the last step trained)
-    idx, rollout, sampler_version, times["rollout"] = ahead or sample(step)
-    ahead = in_background(sample, step + 1) if args.async_ and step < args.steps else None  # --async: the next one
-    rows = [train_rows[i] for i in idx for _ in range(args.G)]  # (N,) the dataset row of each completion
+    times, rounds, batch = dict(rollout=0.0, reward=0.0), [], None
+    # 1) sample G completions for each of this rank's next prompts (--async: sampled while the last step trained), and
+    #    score them; --dynamic-sampling: drop groups of equal rewards, draw more rounds of prompts until each rank holds
+    #    its share of others (DAPO; common.py)
+    while batch is None:
+        rows, rollout, sampler_version, seconds = ahead or sample(consumed)
+        consumed, ahead, t1 = consumed + args.prompts_per_step, None, time.time()
+        rounds.append((rows, rollout, score(reward_funcs, rows, rollout)))  # rewards (N, F)
+        times["rollout"], times["reward"] = times["rollout"] + seconds, times["reward"] + time.time() - t1
+        batch = dynamic_sampling(rounds, args.dynamic_sampling, args.G, args.reward_weights, pad_id(tokenizer))
+    ahead = in_background(sample, consumed) if args.async_ and step < args.steps else None  # --async: the next batch
+    (rows, rollout, rewards), sampling_stats = batch
     completion_ids = rollout.completion_ids.to(device)  # (N, T)
     completion_mask = rollout.completion_mask.to(device).float()  # (N, T)
     N, T = completion_ids.shape
 
     # 2) rewards (N, F), gathered from every rank -> group-relative advantages (N,)
     t0 = time.time()
-    rewards = score(reward_funcs, rows, rollout).to(device)  # (N, F)
+    rewards = rewards.to(device)  # (N, F)
     if ddp:
         gathered = [torch.empty_like(rewards) for _ in range(world)]
         dist.all_gather(gathered, rewards)
@@ -262,7 +282,7 @@ for step in (bar := tqdm(range(start_step + 1, args.steps + 1), initial=start_st
     advantages = advantages[rank * N:(rank + 1) * N].to(device)  # (N,) this rank's slice
     for f, fn in enumerate(reward_funcs):  # "reward/0" -> "reward/exact_match_reward"
         reward_stats[f"reward/{getattr(fn, '__name__', args.rewards[f])}"] = reward_stats.pop(f"reward/{f}")
-    times["reward"] = time.time() - t0
+    times["reward"] += time.time() - t0
 
     # 3) mu passes of minibatch updates
     t0 = time.time()
@@ -318,7 +338,7 @@ for step in (bar := tqdm(range(start_step + 1, args.steps + 1), initial=start_st
 
     # 5) log: one JSON record per step (rank 0), evaluate and checkpoint on schedule
     lengths = completion_mask.sum(1)  # (N,)
-    record = dict(step=step, **reward_stats, **step_metrics(micro_metrics, grad_norms),  # over micro-batches, ranks
+    record = dict(step=step, **reward_stats, **sampling_stats, **step_metrics(micro_metrics, grad_norms),  # all ranks
                   adv_mean=advantages.mean().item(), adv_abs_mean=advantages.abs().mean().item(),
                   lr=cosine_lr(opt_step - 1, opt_steps_total, args.lr, args.warmup_steps),
                   sampled_entropy=-(sampling_logps * completion_mask).sum().item() / completion_mask.sum().item(),
@@ -339,12 +359,14 @@ for step in (bar := tqdm(range(start_step + 1, args.steps + 1), initial=start_st
                    + (f"kl {record['kl']:.4f} | " if "kl" in record else "") + f"len {record['len_mean']:.1f} | "
                    + " ".join(f"{k} {times[k]:.2f}s" for k in times)
                    + (f" | held-out greedy {record['eval_greedy']:.3f} sampled {record['eval_sampled']:.3f}"
+                      + "".join(f" {k} {v:.3f}" for k, v in record.items() if k.startswith("pass@"))
                       if "eval_greedy" in record else ""))
         if wandb_run:
             wandb_run.log(record, step=step)
     if step % args.save_every == 0 or step == args.steps:
         checkpoint.save(ckpt_root, step, raw_model, optimizer, engine, tokenizer,
-                        dict(step=step, opt_step=opt_step, config=run_config), args.keep_last, device, ahead)
+                        dict(step=step, opt_step=opt_step, prompts_consumed=consumed, config=run_config),
+                        args.keep_last, device, ahead)
 
 # -----------------------------------------------------------------------------
 # The final policy (loadable by transformers and servable by vLLM), the plot, clean-up

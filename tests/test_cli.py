@@ -62,6 +62,9 @@ FLAG_CASES = {  # name: (args, expected text in the error line): argparse's rang
     "tis_cap<0": (["--tis-cap", "-2"], "argument --tis-cap: must be >= 0, got -2"),
     "reward_timeout=0": (["--reward-timeout", "0"], "argument --reward-timeout: must be in (0, 1800], got 0"),
     "reward_timeout too long": (["--reward-timeout", "1e6"], "argument --reward-timeout: must be in (0, 1800]"),
+    "dynamic_sampling<0": (["--dynamic-sampling", "-1"], "argument --dynamic-sampling: must be >= 0, got -1"),
+    "eval_samples<0": (["--eval-samples", "-1"], "argument --eval-samples: must be >= 0, got -1"),
+    "eval_k=0": (["--eval-samples", "4", "--eval-k", "0"], "argument --eval-k: must be >= 1, got 0"),
 }
 
 
@@ -93,6 +96,12 @@ RULE_CASES = {  # name: (args, expected text): the rules between flags (common.c
     "model path missing": (["--model", "/no/such/model"], "no such directory"),
     "fsdp on one process": (["--fsdp"], "--fsdp shards over ranks"),
     "async without a server": (["--async"], "--async overlaps a rollout server's generation with the update"),
+    "async with dynamic sampling": (["--vllm-mode", "server", "--vllm-url", "http://127.0.0.1:1", "--async",
+                                     "--dynamic-sampling", "2"], "--async samples one round ahead"),
+    "dynamic sampling of 1 round": (["--dynamic-sampling", "1"], "--dynamic-sampling 1 draws no second round"),
+    "eval_k without eval_samples": (["--eval-k", "1"], "--eval-k needs --eval-samples n"),
+    "eval_k > eval_samples": (["--eval-samples", "4", "--eval-k", "1", "8"], "--eval-k 1 8: each k must be <= "
+                                                                             "--eval-samples 4"),
 }
 
 

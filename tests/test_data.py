@@ -134,17 +134,19 @@ def test_load_errors_say_what_to_change(tmp_path):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_batch_indices_draw_each_prompt_once_per_epoch(world):
-    """Global draw g is position g % n of epoch g // n's permutation: a step that crosses an epoch boundary
+    """Global draw g is position g % n of epoch g // n's permutation: a batch that crosses an epoch boundary
     finishes the old epoch with its last prompts and starts the new one, so every epoch holds each prompt
-    exactly once (7 rows, 4 per step: the boundary falls inside steps), whatever the number of ranks."""
-    n, per_step, steps = 7, 4, 14  # 56 draws: 8 epochs
-    draws = [i for step in range(steps) for rank in range(world)
-             for i in task.batch_indices(n, step, per_step, rank, world, seed=3)]
+    exactly once (7 rows, 4 per batch: the boundary falls inside batches), whatever the number of ranks."""
+    n, per_step, batches = 7, 4, 14  # 56 draws: 8 epochs
+    draws = [i for b in range(batches) for rank in range(world)
+             for i in task.batch_indices(n, b * per_step, per_step, rank, world, seed=3)]
     epochs = [sorted(draws[e * n:(e + 1) * n]) for e in range(len(draws) // n)]
     assert epochs == [list(range(n))] * 8
     assert draws[:n] != draws[n:2 * n]  # each epoch its own order
-    assert task.batch_indices(n, 5, per_step, 1, world, 3) == task.batch_indices(n, 5, per_step, 1, world, 3)
-
+    assert task.batch_indices(n, 20, per_step, 1, world, 3) == task.batch_indices(n, 20, per_step, 1, world, 3)
+    # the stream is indexed by prompts consumed, not by step (--dynamic-sampling draws several batches a step), and
+    # the ranks' shares of a batch are consecutive in it, whatever the number of ranks
+    assert task.batch_indices(n, 13, per_step, 0, 1, 3) == draws[13:17]
 
 
 
