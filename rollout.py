@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from common import sync_parameters
+
 
 @dataclass
 class Rollout:
@@ -110,12 +112,12 @@ def unwrap(model):  # the module under a DDP wrapper (its parameter names lack t
 
 
 def full_named_parameters(model, counter, dtype=None):
-    """(name, full tensor in dtype, else its own) one parameter at a time, in module order. FSDP2 parameters are
-    DTensors: full_tensor() all-gathers one of them when vLLM asks for it (a collective: every rank must
-    call sync_weights). Tied weights are sent under both names, as in an HF state_dict: vLLM's layer-wise
-    reload refreshes a layer only once all its weights arrived, and with tie_word_embeddings the LM head is
-    its own layer; sent only as embed_tokens, the logits kept the old weights (found on vLLM 0.32 CPU)."""
-    for name, param in unwrap(model).named_parameters(remove_duplicate=False):
+    """(name, full tensor in dtype, else its own) one parameter at a time, in module order (LoRA: the adapted
+    modules only, merged: common.sync_parameters). FSDP2 parameters are DTensors: full_tensor() all-gathers one
+    when vLLM asks for it (a collective: every rank must call sync_weights). Tied weights go under both names, as
+    in an HF state_dict: vLLM 0.32's layer-wise reload refreshes a layer once all its weights arrived, and with
+    tie_word_embeddings the LM head is its own layer; sent only as embed_tokens, the logits kept the old ones."""
+    for name, param in sync_parameters(unwrap(model)):
         tensor = param.detach()
         tensor = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).to(dtype or param.dtype)
         counter["bytes"] += tensor.numel() * tensor.element_size()
@@ -197,8 +199,7 @@ class VLLMEngine(Engine):
         # a no-op for the whole process (vllm/v1/worker/cpu_worker.py). The trainer shares the process: undo both.
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(threads)
-        self.tokenizer = self.llm.get_tokenizer()
-        self.pad_id = pad_id(self.tokenizer)
+        self.tokenizer, self.pad_id = self.llm.get_tokenizer(), pad_id(self.llm.get_tokenizer())
 
     def sample(self, prompt_ids, n, max_new_tokens, rng_seed, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0,
                repetition_penalty=1.0):
@@ -265,9 +266,8 @@ class HFEngine(Engine):
             model.train(was_training)
         new_ids = out.sequences[:, input_ids.shape[1] :]  # (N, T) tokens after EOS are padding
         # out.scores: T x (N, V) processed scores (after penalty, temperature, filters); -inf = filtered
-        logps = torch.stack([torch.log_softmax(s.float(), -1).gather(1, new_ids[:, t, None]).squeeze(1)
-                             for t, s in enumerate(out.scores)], 1).cpu()  # (N, T)
-        new_ids = new_ids.cpu()
+        logps, new_ids = torch.stack([torch.log_softmax(s.float(), -1).gather(1, new_ids[:, t, None]).squeeze(1)
+                                      for t, s in enumerate(out.scores)], 1).cpu(), new_ids.cpu()  # (N, T) x2
         is_eos = torch.isin(new_ids, torch.tensor(self.eos_ids))  # (N, T)
         finished = is_eos.any(1)  # (N,)
         lengths = torch.where(finished, is_eos.int().argmax(1) + 1, new_ids.shape[1]).tolist()  # (N,) to first EOS
