@@ -14,6 +14,10 @@ compute runs in --dtype (torch.autocast; FSDP2's MixedPrecisionPolicy casts the 
 gradients in fp32). bf16 weights updated in place lose every update below half a bf16 ulp of the weight: one
 step at lr 1e-6 moved 2.2% of the tiny model's weights. The frozen reference is stored in --dtype; the rollout
 engine gets the weights in its own dtype at each sync.
+
+LoRA (--lora-rank, through peft): the base is frozen in --dtype, only the fp32 adapters train; the reference is the
+policy with its adapters off (AdaptersOff); a sync sends the merged weights of the adapted modules only
+(sync_parameters), and a saved model is merged too, with its adapter beside it (merged_state_dict, load_adapter).
 """
 import argparse
 import importlib
@@ -310,8 +314,9 @@ def lora_parameters(model):
     None), names as in a plain checkpoint ("model.layers.0.self_attn.q_proj.weight", not peft's
     "base_model.model. ... .base_layer.weight"). Only the modules that hold an adapted layer change, so only they
     are sent, all their weights (siblings, biases): vLLM fuses q/k/v and gate/up into one layer, and its layer-wise
-    reload fills a layer that got only some of its weights with uninitialised memory (vllm/model_executor/
-    model_loader/reload/layerwise.py). The merged weight is base + layer.get_delta_weight (scale * B A)."""
+    reload processes a layer that got only some of its weights with the rest uninitialised (vllm/model_executor/
+    model_loader/reload/layerwise.py, 0.32: q_proj sent alone, even unchanged, left the engine's log-probs 0.84 off).
+    The merged weight is base + layer.get_delta_weight (scale * B A)."""
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()

@@ -60,8 +60,7 @@ def build_rollout(prompt_ids, G, completions, logps, finished, pad_id, tokenizer
     """Lists per completion (token ids, their logprobs, EOS reached) -> a padded Rollout on CPU."""
     N, T = len(completions), max([1] + [len(c) for c in completions])
     completion_ids = torch.full((N, T), pad_id, dtype=torch.long)  # (N, T)
-    completion_mask = torch.zeros(N, T)  # (N, T)
-    sampling_logps = torch.zeros(N, T)  # (N, T)
+    completion_mask, sampling_logps = torch.zeros(N, T), torch.zeros(N, T)  # (N, T) x2: mask, sampler's logps
     for i, (ids, lps) in enumerate(zip(completions, logps)):
         completion_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         completion_mask[i, : len(ids)] = 1
@@ -175,9 +174,10 @@ class VLLMEngine(Engine):
 
         if dtype in (None, "auto"):  # the checkpoint's (float32 if unsaid): vLLM's "auto" samples fp32 ones in bf16
             dtype = AutoConfig.from_pretrained(model_path).dtype or torch.float32
-        # Every reload warns "RotaryEmbedding: Failed to load weights": a computed cos/sin cache, not a weight
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
-            lambda record: "RotaryEmbedding: Failed" not in record.getMessage())
+        # Reloads warn for what they did not get: RotaryEmbedding's computed cos/sin cache; with LoRA, unchanged layers
+        for reload in ("layerwise", "inplace"):  # "X: Failed to load weights", "Following weights were not loaded"
+            logging.getLogger(f"vllm.model_executor.model_loader.reload.{reload}").addFilter(
+                lambda record: not any(s in record.getMessage() for s in ("Failed to load weights", "were not loaded")))
         if distributed is None:  # vLLM alone also initialises a 1-process group, hence the size test
             distributed = dist.is_initialized() and dist.get_world_size() > 1
         if tensor_parallel_size > 1 and not distributed and llm_kwargs.get("distributed_executor_backend") != "mp":

@@ -24,8 +24,8 @@ Simplifications (each is a choice, not an accident):
 2. old_logps are recomputed by the trainer only when the update can go off-policy (mu > 1, several
    minibatches, or truncated importance sampling); otherwise the ratio is exactly 1 and only its gradient
    matters (then clipping never fires, as in nanochat's chat_rl.py).
-3. The reference model (beta > 0) is the initial policy, frozen. The LR schedule is linear warmup then
-   cosine to lr/10 over all optimizer steps.
+3. The reference model (beta > 0) is the initial policy, frozen (with --lora-rank: the policy, adapters off). The
+   LR schedule is linear warmup then cosine to lr/10 over all optimizer steps.
 4. A checkpoint holds everything a bit-exact resume needs (checkpoint.py); the data order is a pure function
    of seed and step.
 5. Mixed precision: --dtype is the compute dtype (autocast); the policy and AdamW stay fp32, the reference and the

@@ -95,15 +95,17 @@ def test_vllm_samples_from_the_merged_policy(tiny, data):
 
 
 def test_lora_run_learns_saves_merged_model_and_resumes_bit_exactly(tmp_path):
-    """train.py --lora-rank 8 on the default task: the reward rises; the final model/ is a plain checkpoint that
-    transformers loads, equal to init_model except the adapted weights, which are base + scale * B A of
-    model/adapter; and a run resumed from its step-4 checkpoint ends bit-identical to the uninterrupted one."""
+    """train.py --lora-rank 8 on the default task (its LoRA lr, beta > 0): the reward rises over 30 steps; the final
+    model/ is a plain checkpoint that transformers loads, equal to init_model except the adapted weights, which are
+    base + scale * B A of model/adapter; a run resumed from its step-20 checkpoint ends bit-identical."""
     from transformers import AutoModelForCausalLM
 
-    args = ["--engine", "hf", "--lora-rank", "8", "--steps", "6", "--save-every", "2", "--eval-every", "0",
-            "--eval-size", "8", "--prompts-per-step", "16", "--beta", "0.04"]
+    args = ["--engine", "hf", "--lora-rank", "8", "--steps", "30", "--save-every", "10", "--eval-every", "0",
+            "--eval-size", "8", "--beta", "0.04"]
     _, out, straight = run_train(args, tmp_path / "straight")
     assert "M trained" in out
+    first, last = (sum(r["reward_mean"] for r in rs) / len(rs) for rs in (straight[1:11], straight[-10:]))
+    assert last > first + 0.02, f"LoRA did not learn: mean reward {first:.3f} (steps 1-10) -> {last:.3f} (21-30)"
     assert max(r["kl"] for r in straight[1:]) > 0  # the reference (adapters off) differs from the policy
     init = load_file(tmp_path / "straight" / "init_model" / "model.safetensors")
     adapter = load_file(tmp_path / "straight" / "model" / "adapter" / "adapter_model.safetensors")
@@ -119,12 +121,12 @@ def test_lora_run_learns_saves_merged_model_and_resumes_bit_exactly(tmp_path):
             assert torch.equal(weight, init[name.replace("lm_head", "model.embed_tokens")]), name
     assert adapted == 2 * len(LORA_TARGETS)  # 2 layers
 
-    # resume: drop the last checkpoint and the final model, as a crash after step 4 would have
+    # resume: drop the last checkpoint and the final model, as a crash after step 20 would have
     shutil.copytree(tmp_path / "straight", tmp_path / "resumed", ignore=shutil.ignore_patterns("run.lock"))
-    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_000006")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_000030")
     shutil.rmtree(tmp_path / "resumed" / "model")
     _, out, _ = run_train(args, tmp_path / "resumed")
-    assert "(step 4)" in out
+    assert "(step 20)" in out
     resumed = read_metrics(tmp_path / "resumed")
     assert without_timings(straight) == without_timings(resumed)
     for f in ("model.safetensors", "adapter/adapter_model.safetensors"):
