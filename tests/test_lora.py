@@ -132,3 +132,15 @@ def test_lora_run_learns_saves_merged_model_and_resumes_bit_exactly(tmp_path):
     for f in ("model.safetensors", "adapter/adapter_model.safetensors"):
         a, b = (load_file(tmp_path / d / "model" / f) for d in ("straight", "resumed"))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f
+
+
+def test_lora_dropout_acts_in_the_update_only(data):
+    """train.py keeps the policy in eval mode, so --lora-dropout drops in forwards that build a graph (the update)
+    and never in old/reference log-probs or generation (no_grad): common.GradOnlyDropout."""
+    model, prompts, completions = data
+    policy = add_lora(copy.deepcopy(model), peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.5,
+                                                             target_modules=LORA_TARGETS)).eval()
+    train_steps(policy, prompts, completions, steps=1)  # B != 0: the adapters' input matters
+    ids = torch.tensor([prompts[0]])  # (1, P)
+    assert torch.equal(*(logps_of(policy, prompts, completions) for _ in range(2)))  # no_grad: deterministic
+    assert not torch.equal(policy(input_ids=ids).logits, policy(input_ids=ids).logits)  # grad on: dropout draws
