@@ -7,6 +7,7 @@ Benchmarks, one mode per stage; every figure is a ratio against a baseline measu
     python bench.py gpu              # the README's GPU figures in one run (one GPU, <= 8 min) -> bench_gpu.json
     python bench.py gpu --tiny       # the same code paths on CPU at toy sizes (CI runs it; ~1 min of CPU)
     python bench.py memory           # peak RSS of one update step per --micro-batch-size, V = 151,936 (CPU)
+    python bench.py lora             # trainer memory (weights, grads, AdamW) with and without LoRA, Qwen2.5 shapes
 
 `gpu` runs three sections, each printed as it goes and written to --out (JSON) after each one. Models are built
 from configs (random init), nothing is downloaded. A section that fails or passes its deadline (its share of
@@ -583,6 +584,43 @@ def bench_memory(args):
               f"{logits_mb:26.0f}", flush=True)
 
 
+# Qwen2.5's public config.json values (hidden, intermediate, layers, heads, KV heads, vocab, tied embeddings)
+QWEN_CONFIGS = {"Qwen2.5-1.5B": (1536, 8960, 28, 12, 2, 151_936, True),
+                "Qwen2.5-7B": (3584, 18944, 28, 28, 4, 152_064, False)}
+
+
+def bench_lora(args):
+    """Trainer memory with and without LoRA (--lora-rank) for Qwen2.5-shaped models built on the meta device (no
+    download, no memory): weights, gradients and AdamW's two moments in GB, summed from the parameters' own sizes
+    and dtypes as train.py builds them on a GPU (full fine-tuning: the fp32 policy; LoRA: the frozen base in
+    --dtype auto = bf16, fp32 adapters on the 7 attention and MLP projections, only they have gradients and AdamW
+    state), and the bf16 reference a full fine-tune adds for --beta > 0 (LoRA's is its base with the adapters
+    off: no copy). Activations and logits (one micro-batch's: see `bench.py memory`) come on top."""
+    from peft import LoraConfig
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from lora import LORA_TARGETS, add_lora
+
+    print(f"{'model':<13} {'training':<13} {'params B':>8} {'trained M':>9} | {'weights':>7} {'grads':>6} "
+          f"{'AdamW':>6} {'total GB':>8} | {'+ ref (beta > 0)':>16}")
+    for name, (hidden, inter, layers, heads, kv, vocab, tied) in QWEN_CONFIGS.items():
+        config = Qwen2Config(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, vocab_size=vocab,
+                             num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=tied)
+        for rank in (0, 16, 64):
+            with torch.device("meta"):
+                model = Qwen2ForCausalLM(config).to(torch.bfloat16 if rank else torch.float32)
+                if rank:
+                    model = add_lora(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS))
+            params = list(model.parameters())
+            trained = [p for p in params if p.requires_grad]
+            gb = lambda ps, per=None: sum(p.numel() * (per or p.element_size()) for p in ps) / 1e9  # noqa: E731
+            weights, grads, adam = gb(params), gb(trained), gb(trained, 8)  # AdamW: 2 fp32 moments
+            ref = 0.0 if rank else gb(params, 2)
+            print(f"{name:<13} {f'LoRA r={rank}' if rank else 'full':<13} {sum(p.numel() for p in params) / 1e9:8.2f} "
+                  f"{sum(p.numel() for p in trained) / 1e6:9.1f} | {weights:7.1f} {grads:6.2f} {adam:6.2f} "
+                  f"{weights + grads + adam:8.1f} | {weights + grads + adam + ref:16.1f}", flush=True)
+
+
 def _memory_step(args):  # one setting of bench_memory, in its own process
     import tempfile
 
@@ -624,7 +662,7 @@ def _memory_step(args):  # one setting of bench_memory, in its own process
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["rollout", "kernel", "gpu", "memory", "_memory_step"])
+    parser.add_argument("mode", choices=["rollout", "kernel", "gpu", "memory", "lora", "_memory_step"])
     parser.add_argument("--tiny", action="store_true", help="small shapes, CPU-runnable (checks the script itself)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed repeats per figure (median reported); default 5 (gpu: 1 for rollouts, "
@@ -646,5 +684,5 @@ if __name__ == "__main__":
     torch.set_num_threads(args.threads)
     if args.mode != "gpu":
         args.repeats = args.repeats or 5
-    {"rollout": bench_rollout, "kernel": bench_kernel, "gpu": bench_gpu, "memory": bench_memory,
+    {"rollout": bench_rollout, "kernel": bench_kernel, "gpu": bench_gpu, "memory": bench_memory, "lora": bench_lora,
      "_memory_step": _memory_step}[args.mode](args)

@@ -1,7 +1,8 @@
 """Checkpoints: everything a bit-exact resume needs, written so that a crash never passes for a checkpoint.
 
     out/checkpoints/step_NNNNNN/
-        model/           safetensors + tokenizer (save_pretrained: transformers and vLLM load it)
+        model/           safetensors + tokenizer (save_pretrained: transformers and vLLM load it); with LoRA the
+                         merged weights, and model/adapter/ (PeftModel.save_pretrained: what a resume loads)
         trainer.pt       optimizer state, step, optimizer step, prompts consumed, the run configuration it belongs to
         rng_rank{R}.pt   rank R's RNG states (python, numpy, torch, cuda), its rollout engine's state, and with
                          --async its next batch, already sampled (a resumed run trains on it, as the straight one)
@@ -46,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 from common import all_ranks_ok, barrier, master, rank
+from lora import is_lora, load_adapter, merged_state_dict
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to full tensors (a collective with FSDP)
 MARKER = "complete.json"
@@ -182,7 +184,12 @@ def load(path, run_config):
 
 
 def save_model(model, path, state_dict, tokenizer):
-    model.save_pretrained(path, state_dict=state_dict)  # safetensors: loadable by transformers and vLLM
+    """A save_pretrained folder (safetensors: loadable by transformers and vLLM). A LoRA policy is saved merged,
+    under the plain checkpoint's names (what the engine samples from), with its adapter in path/adapter."""
+    if is_lora(model):
+        model.save_pretrained(os.path.join(path, "adapter"))  # adapter_model.safetensors, adapter_config.json
+        model, state_dict = model.get_base_model(), merged_state_dict(model, state_dict)
+    model.save_pretrained(path, state_dict=state_dict)
     tokenizer.save_pretrained(path)
 
 
@@ -232,9 +239,11 @@ def save(root, step, model, optimizer, engine, tokenizer, trainer_state, keep_la
 
 
 def restore(path, saved, model, optimizer, engine, device):
-    """Load the optimizer, then this rank's RNG states and engine state -> (step, optimizer step, prompts consumed
-    from the data stream, the pending batch save() was given or None). Call it after the engine is built: vLLM's
-    start-up reseeds the global RNGs."""
+    """Load the LoRA adapter (if any), the optimizer, then this rank's RNG states and engine state -> (step, optimizer
+    step, prompts consumed from the data stream, the pending batch save() was given or None). Call it after the
+    engine is built: vLLM's start-up reseeds the global RNGs."""
+    if is_lora(model):  # the policy was built from the initial model: the checkpoint's adapter is the trained part
+        load_adapter(model, os.path.join(path, "model", "adapter"))
     set_optimizer_state_dict(model, optimizer, saved["optimizer"], options=StateDictOptions(full_state_dict=True))
     rng = torch.load(os.path.join(path, f"rng_rank{rank}.pt"), weights_only=False)
     random.setstate(rng["python"]), np.random.set_state(rng["numpy"]), torch.set_rng_state(rng["torch"])

@@ -18,6 +18,10 @@ compute runs in --dtype (torch.autocast; FSDP2's MixedPrecisionPolicy casts the 
 gradients in fp32). bf16 weights updated in place lose every update below half a bf16 ulp of the weight: one
 step at lr 1e-6 moved 2.2% of the tiny model's weights. The frozen reference is stored in --dtype; the rollout
 engine gets the weights in its own dtype at each sync.
+
+LoRA (--lora-rank, through peft): the base is frozen in --dtype, only the fp32 adapters train; the reference is the
+policy with its adapters off (AdaptersOff); a sync sends the merged weights of the adapted modules only
+(sync_parameters), and a saved model is merged too, with its adapter beside it (merged_state_dict, load_adapter).
 """
 import argparse
 import dataclasses
@@ -89,6 +93,8 @@ def check_flags(args):
         (args.eval_size >= world, f"--eval-size must be >= the {world} ranks (each evaluates a share), got "
                                   f"{args.eval_size}"),
         (not args.fsdp or world > 1, "--fsdp shards over ranks: launch with torchrun --nproc_per_node N (N >= 2)"),
+        (not (args.fsdp and args.lora_rank), "--lora-rank does not work with --fsdp: drop --fsdp (LoRA's frozen base "
+                                             "in --dtype and small adapters fit one GPU per rank under DDP)"),
         (args.vllm_mode == "colocate" or args.vllm_url, "--vllm-mode server needs --vllm-url http://HOST:PORT"),
         (not args.async_ or args.vllm_mode == "server", "--async overlaps a rollout server's generation with the "
          "update: add --vllm-mode server --vllm-url http://HOST:PORT (a colocated engine shares the trainer's device)"),
@@ -270,16 +276,17 @@ def result_everywhere(future):
     return result
 
 
-def load_model(path, dtype, device, fsdp=False, frozen=False):
+def load_model(path, dtype, device, fsdp=False, lora=None, frozen=False):
     """The trainable policy in fp32 (master weights: see the module docstring), a frozen model (the reference) in
-    dtype. Full weights on the CPU; with fsdp each decoder layer is then sharded over the ranks (FSDP2), so only
-    this rank's shard moves to the device: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
+    dtype, eval mode. Full weights on the CPU; with fsdp each decoder layer is then sharded over the ranks (FSDP2),
+    so only this rank's shard moves to the device: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
+    lora (a peft LoraConfig, from lora.lora_config): the policy is the base model in dtype, frozen, with fp32 adapters.
     ValueError naming the folder when its weights do not load (missing, cut short, another shape)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
     try:
-        m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype if frozen else torch.float32)
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype if frozen or lora else torch.float32)
     except Exception as e:  # OSError (no weights), SafetensorError (cut short), RuntimeError (shapes), ...
         raise ValueError(f"model {path!r}: cannot load its weights ({str(e).strip().splitlines()[0]})") from None
     if fsdp:
@@ -287,6 +294,9 @@ def load_model(path, dtype, device, fsdp=False, frozen=False):
         for layer in m.model.layers:
             fully_shard(layer, mp_policy=mixed)
         fully_shard(m, mp_policy=mixed)
+    if lora:
+        from lora import add_lora
+    m = add_lora(m, lora) if lora else m.eval().requires_grad_(False) if frozen else m
     return m.to(device)
 
 

@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lora import sync_parameters
+
 
 @dataclass
 class Rollout:
@@ -58,8 +60,7 @@ def build_rollout(prompt_ids, G, completions, logps, finished, pad_id, tokenizer
     """Lists per completion (token ids, their logprobs, EOS reached) -> a padded Rollout on CPU."""
     N, T = len(completions), max([1] + [len(c) for c in completions])
     completion_ids = torch.full((N, T), pad_id, dtype=torch.long)  # (N, T)
-    completion_mask = torch.zeros(N, T)  # (N, T)
-    sampling_logps = torch.zeros(N, T)  # (N, T)
+    completion_mask, sampling_logps = torch.zeros(N, T), torch.zeros(N, T)  # (N, T) x2: mask, sampler's logps
     for i, (ids, lps) in enumerate(zip(completions, logps)):
         completion_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         completion_mask[i, : len(ids)] = 1
@@ -110,12 +111,12 @@ def unwrap(model):  # the module under a DDP wrapper (its parameter names lack t
 
 
 def full_named_parameters(model, counter, dtype=None):
-    """(name, full tensor in dtype, else its own) one parameter at a time, in module order. FSDP2 parameters are
-    DTensors: full_tensor() all-gathers one of them when vLLM asks for it (a collective: every rank must
-    call sync_weights). Tied weights are sent under both names, as in an HF state_dict: vLLM's layer-wise
-    reload refreshes a layer only once all its weights arrived, and with tie_word_embeddings the LM head is
-    its own layer; sent only as embed_tokens, the logits kept the old weights (found on vLLM 0.32 CPU)."""
-    for name, param in unwrap(model).named_parameters(remove_duplicate=False):
+    """(name, full tensor in dtype, else its own) one parameter at a time, in module order (LoRA: the adapted
+    modules only, merged: lora.sync_parameters). FSDP2 parameters are DTensors: full_tensor() all-gathers one
+    when vLLM asks for it (a collective: every rank must call sync_weights). Tied weights go under both names, as
+    in an HF state_dict: vLLM 0.32's layer-wise reload refreshes a layer once all its weights arrived, and with
+    tie_word_embeddings the LM head is its own layer; sent only as embed_tokens, the logits kept the old ones."""
+    for name, param in sync_parameters(unwrap(model)):
         tensor = param.detach()
         tensor = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).to(dtype or param.dtype)
         counter["bytes"] += tensor.numel() * tensor.element_size()
@@ -173,9 +174,10 @@ class VLLMEngine(Engine):
 
         if dtype in (None, "auto"):  # the checkpoint's (float32 if unsaid): vLLM's "auto" samples fp32 ones in bf16
             dtype = AutoConfig.from_pretrained(model_path).dtype or torch.float32
-        # Every reload warns "RotaryEmbedding: Failed to load weights": a computed cos/sin cache, not a weight
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
-            lambda record: "RotaryEmbedding: Failed" not in record.getMessage())
+        # Reloads warn for what they did not get: RotaryEmbedding's computed cos/sin cache; with LoRA, unchanged layers
+        for reload in ("layerwise", "inplace"):  # "X: Failed to load weights", "Following weights were not loaded"
+            logging.getLogger(f"vllm.model_executor.model_loader.reload.{reload}").addFilter(
+                lambda record: not any(s in record.getMessage() for s in ("Failed to load weights", "were not loaded")))
         if distributed is None:  # vLLM alone also initialises a 1-process group, hence the size test
             distributed = dist.is_initialized() and dist.get_world_size() > 1
         if tensor_parallel_size > 1 and not distributed and llm_kwargs.get("distributed_executor_backend") != "mp":
@@ -197,8 +199,7 @@ class VLLMEngine(Engine):
         # a no-op for the whole process (vllm/v1/worker/cpu_worker.py). The trainer shares the process: undo both.
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(threads)
-        self.tokenizer = self.llm.get_tokenizer()
-        self.pad_id = pad_id(self.tokenizer)
+        self.tokenizer, self.pad_id = self.llm.get_tokenizer(), pad_id(self.llm.get_tokenizer())
 
     def sample(self, prompt_ids, n, max_new_tokens, rng_seed, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0,
                repetition_penalty=1.0):
@@ -265,9 +266,8 @@ class HFEngine(Engine):
             model.train(was_training)
         new_ids = out.sequences[:, input_ids.shape[1] :]  # (N, T) tokens after EOS are padding
         # out.scores: T x (N, V) processed scores (after penalty, temperature, filters); -inf = filtered
-        logps = torch.stack([torch.log_softmax(s.float(), -1).gather(1, new_ids[:, t, None]).squeeze(1)
-                             for t, s in enumerate(out.scores)], 1).cpu()  # (N, T)
-        new_ids = new_ids.cpu()
+        logps, new_ids = torch.stack([torch.log_softmax(s.float(), -1).gather(1, new_ids[:, t, None]).squeeze(1)
+                                      for t, s in enumerate(out.scores)], 1).cpu(), new_ids.cpu()  # (N, T) x2
         is_eos = torch.isin(new_ids, torch.tensor(self.eos_ids))  # (N, T)
         finished = is_eos.any(1)  # (N,)
         lengths = torch.where(finished, is_eos.int().argmax(1) + 1, new_ids.shape[1]).tolist()  # (N,) to first EOS

@@ -42,7 +42,7 @@ import urllib.request
 import torch
 import torch.distributed as dist
 
-from rollout import Engine, VLLMEngine, full_named_parameters, pad_id, unwrap
+from rollout import Engine, VLLMEngine, full_named_parameters, pad_id, sync_parameters, unwrap
 
 
 def reload_from_safetensors(worker, snapshot):
@@ -241,8 +241,7 @@ class RemoteEngine(Engine):
 
         class Parameters(WeightSource):  # full_named_parameters: tied weights under both names (see there)
             def metadata(self):
-                return [ParamMeta(name, p.dtype, tuple(p.shape))
-                        for name, p in unwrap(model).named_parameters(remove_duplicate=False)]
+                return [ParamMeta(name, p.dtype, tuple(p.shape)) for name, p in sync_parameters(unwrap(model))]
 
             def __iter__(self):
                 return full_named_parameters(model, counter)

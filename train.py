@@ -24,8 +24,8 @@ Simplifications (each is a choice, not an accident):
 2. old_logps are recomputed by the trainer only when the update can go off-policy (mu > 1, several
    minibatches, or truncated importance sampling); otherwise the ratio is exactly 1 and only its gradient
    matters (then clipping never fires, as in nanochat's chat_rl.py). --async: against the sampler's (README).
-3. The reference model (beta > 0) is the initial policy, frozen. The LR schedule is linear warmup then
-   cosine to lr/10 over all optimizer steps.
+3. The reference model (beta > 0) is the initial policy, frozen (with --lora-rank: the policy, adapters off). The
+   LR schedule is linear warmup then cosine to lr/10 over all optimizer steps.
 4. A checkpoint holds everything a bit-exact resume needs (checkpoint.py); the data order is a pure function
    of seed and prompts consumed (one --prompts-per-step a round: one round a step, more with --dynamic-sampling).
 5. Mixed precision: --dtype is the compute dtype (autocast); the policy and AdamW stay fp32, the reference and the
@@ -53,6 +53,7 @@ from advantage import SCALE_REWARDS, compute_advantages
 from common import (all_ranks_ok, barrier, check_flags, completion_logits, cosine_lr, ddp, dynamic_sampling, fail,
                     in_background, load_model, mark, master, number, print0, prompt_batch, rank, require,
                     result_everywhere, seed_all, sequence_logps, setup, startup_line, step_metrics, world, wrap_ddp)
+from lora import LORA_TARGETS, load_reference, lora_config
 from loss import IS_LEVELS, LOSS_TYPES, minibatch_tokens, policy_loss, resolve_impl
 from reward import compute_rewards, get_reward_funcs, pass_at_k
 from rollout import make_engine, pad_id
@@ -102,6 +103,10 @@ add("--grad-clip", type=number(float, 0), default=1.0, help="max grad norm (0: o
 add("--num-iterations", type=int_, default=1, help="mu: passes over each rollout batch")
 add("--minibatch-size", type=number(int, 0), default=0, help="completions per optimizer step per rank (0: all)")
 add("--micro-batch-size", type=number(int, 0), default=0, help="completions per forward/backward (0: minibatch)")
+add("--lora-rank", type=number(int, 0), default=0, help="train LoRA adapters of this rank, base frozen (0: full)")
+add("--lora-alpha", type=pos, default=None, help="LoRA scale = alpha / rank (default alpha: 2 x rank)")
+add("--lora-dropout", type=number(float, 0, 1), default=0.0, help="dropout on the adapters' input, in the update")
+add("--lora-targets", nargs="+", default=LORA_TARGETS, help="the modules that get adapters")
 # Loss
 add("--loss-type", default="grpo", choices=LOSS_TYPES)
 add("--beta", type=number(float, 0), default=0.0, help="KL coefficient (0: no reference model)")
@@ -131,7 +136,7 @@ args = parser.parse_args()
 # Validate the rest before any heavy work: one clear line each, the same verdict on every rank
 run_config = checkpoint.run_config(args, world)  # before the task defaults fill in: as the user gave them
 builtin_task, tiny = args.dataset is None, args.model is None
-for k, v in task.defaults(builtin_task, tiny, args.task_digits, args.rewards).items():
+for k, v in task.defaults(builtin_task, tiny, args.task_digits, args.rewards, args.lora_rank > 0).items():
     if getattr(args, k, None) is None:
         setattr(args, k, v)
 check_flags(args)  # the rules between flags (common.py); argparse checked each flag's own range
@@ -168,15 +173,16 @@ try:
         for rows, what in ((train_rows, "train"), (eval_rows, "held-out")))
     mark("imports, data")
     seed_all(args.seed + rank)
-    raw_model = load_model(model_path, dtype, device, args.fsdp)
+    init_path = os.path.join(args.out_dir, "init_model") if tiny else args.model  # the reference; LoRA's base
+    raw_model = load_model(init_path if args.lora_rank else model_path, dtype, device, args.fsdp, lora_config(args))
 except (ValueError, FileNotFoundError) as e:
     fail(str(e))
 ref_model = None
-if args.beta > 0:  # the reference is the initial policy, frozen (simplification 3)
-    ref_path = os.path.join(args.out_dir, "init_model") if tiny else args.model
-    ref_model = load_model(ref_path, dtype, device, args.fsdp, frozen=True).eval().requires_grad_(False)
+if args.beta > 0:  # the reference is the initial policy, frozen (simplification 3); LoRA: adapters off, no copy
+    ref_model = load_reference(raw_model, init_path, dtype, device, args.fsdp)
 model = wrap_ddp(raw_model, device) if ddp and not args.fsdp else raw_model
-optimizer = torch.optim.AdamW(raw_model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+optimizer = torch.optim.AdamW([p for p in raw_model.parameters() if p.requires_grad], lr=args.lr,
+                              weight_decay=args.weight_decay)  # LoRA: the adapters only
 mark("models")
 try:
     engine = make_engine("server" if args.vllm_mode == "server" else args.engine, url=args.vllm_url,
@@ -193,8 +199,10 @@ if resume_from:  # RNG states last: engine start-up reseeds torch
 if args.vllm_mode == "server":  # the server may hold other weights (a restart, a resumed run): start in step
     engine.sync_weights(model, version=start_step)  # the weights after start_step updates; each sync then adds 1
 mark("engine")
+n_trained = sum(p.numel() for p in optimizer.param_groups[0]["params"])  # LoRA: the adapters'
 print0(f"engine {type(engine).__name__}, {world} rank(s), device {device}, loss {loss_impl}, "
-       f"{sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M params, {len(train_rows)} train prompts")
+       f"{sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M params ({n_trained / 1e6:.3g}M trained), "
+       f"{len(train_rows)} train prompts")
 wandb_run = wandb.init(project=args.wandb, config=vars(args)) if args.wandb and master else None
 
 
