@@ -38,10 +38,11 @@ from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule
 
 from advantage import total_rewards, zero_spread
 from loss import selective_log_softmax
+from reward import compute_rewards
 
 rank = int(os.environ.get("RANK", 0))
 world = int(os.environ.get("WORLD_SIZE", 1))
@@ -326,7 +327,7 @@ def completion_logits(model, prompts, rows, completion_ids, dtype=torch.float32)
     lo, hi = row[0].item(), row[-1].item() + 1  # a group's completions are consecutive: a range of prompts
     ids, mask, positions, row = prompt_ids[lo:hi], prompt_mask[lo:hi], positions[lo:hi], row - lo
     n, T = completion_ids.shape
-    S = 0 if isinstance(next(model.parameters()), DTensor) else ids.shape[1] - 1  # shared prefix length
+    S = 0 if isinstance(model, FSDPModule) else ids.shape[1] - 1  # shared prefix length (FSDP2: none)
     with torch.autocast(completion_ids.device.type, dtype=dtype, enabled=dtype != torch.float32):
         cache = None
         if S > 0:  # the prompts' shared prefix: its KV cache only (a 1-position LM head)
@@ -349,6 +350,34 @@ def sequence_logps(model, prompts, completion_ids, temperature, micro, dtype=tor
                                                               completion_ids[i:i + micro], dtype),
                                             completion_ids[i:i + micro], temperature)
                       for i in range(0, N, micro)])  # (N, T)
+
+
+def score(funcs, rows, rollout, conversational, timeout):
+    """Rewards (N, F) of a rollout (rows: its dataset row per completion), NaN where a function had no opinion. A reward
+    that raised, exited or took over timeout seconds stops every rank (reward.compute_rewards names it)."""
+    columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
+    ids = [c[: int(m.sum())].tolist() for c, m in zip(rollout.completion_ids, rollout.completion_mask)]
+    texts = [[{"role": "assistant", "content": t}] for t in rollout.texts] if conversational else rollout.texts
+    try:
+        rewards, error = compute_rewards(funcs, [r["prompt"] for r in rows], texts, timeout,
+                                         completion_ids=ids, **columns), None
+    except BaseException as e:  # a reward that raised, exited or hung (reward.compute_rewards names it)
+        rewards, error = None, e
+    if not all_ranks_ok(error is None):
+        fail(str(error) if error else "another rank's reward function failed (see its message)", everywhere=False)
+    return rewards
+
+
+def step_line(record, times=None):
+    """The one line printed per step (metrics.jsonl holds every number); step 0 is the first evaluation alone."""
+    parts = [f"step {record['step']}"] + ([] if times is None else [
+        f"reward {record['reward_mean']:.3f}", f"loss {record['loss']:.4f}"] + (
+        [f"kl {record['kl']:.4f}"] if "kl" in record else []) + [
+        f"len {record['len_mean']:.1f}", " ".join(f"{k} {v:.2f}s" for k, v in times.items())])
+    if "eval_greedy" in record:
+        parts.append(f"held-out greedy {record['eval_greedy']:.3f} sampled {record['eval_sampled']:.3f}" + "".join(
+            f" {k} {v:.3f}" for k, v in record.items() if k.startswith("pass@")))
+    return " | ".join(parts)
 
 
 def step_metrics(micro_metrics, grad_norms):

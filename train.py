@@ -50,12 +50,13 @@ from tqdm import tqdm
 import checkpoint
 import task
 from advantage import SCALE_REWARDS, compute_advantages
-from common import (all_ranks_ok, barrier, check_flags, completion_logits, cosine_lr, ddp, dynamic_sampling, fail,
+from common import (barrier, check_flags, completion_logits, cosine_lr, ddp, dynamic_sampling, fail,
                     in_background, load_model, mark, master, number, print0, prompt_batch, rank, require,
-                    result_everywhere, seed_all, sequence_logps, setup, startup_line, step_metrics, world, wrap_ddp)
+                    result_everywhere, score, seed_all, sequence_logps, setup, startup_line, step_line, step_metrics,
+                    world, wrap_ddp)
 from lora import LORA_TARGETS, load_reference, lora_config
 from loss import IS_LEVELS, LOSS_TYPES, minibatch_tokens, policy_loss, resolve_impl
-from reward import compute_rewards, get_reward_funcs, pass_at_k
+from reward import get_reward_funcs, pass_at_k
 from rollout import make_engine, pad_id
 
 # -----------------------------------------------------------------------------
@@ -206,21 +207,6 @@ print0(f"engine {type(engine).__name__}, {world} rank(s), device {device}, loss 
 wandb_run = wandb.init(project=args.wandb, config=vars(args)) if args.wandb and master else None
 
 
-def score(funcs, rows, rollout):
-    """Rewards (N, F) of a rollout, NaN where a function had no opinion. Errors stop every rank."""
-    columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
-    ids = [c[: int(m.sum())].tolist() for c, m in zip(rollout.completion_ids, rollout.completion_mask)]
-    texts = [[{"role": "assistant", "content": t}] for t in rollout.texts] if conversational else rollout.texts
-    try:
-        rewards, error = compute_rewards(funcs, [r["prompt"] for r in rows], texts, args.reward_timeout,
-                                         completion_ids=ids, **columns), None
-    except BaseException as e:  # a reward that raised, exited or hung (reward.compute_rewards names it)
-        rewards, error = None, e
-    if not all_ranks_ok(error is None):
-        fail(str(error) if error else "another rank's reward function failed (see its message)", everywhere=False)
-    return rewards
-
-
 def sample(consumed):
     """-> this rank's share of the next prompts (a row per completion), their G completions each, the server's weight
     version (None off server mode), seconds."""
@@ -236,9 +222,11 @@ def evaluate():
     """Held-out accuracy, greedy (temperature 0) and sampled (mean of n = --eval-samples or 1 per prompt), and pass@k
     of those n (reward.pass_at_k: a completion passes when its eval reward is >= 1), over all ranks."""
     rows, ids, n = eval_rows[rank::world], eval_ids[rank::world], args.eval_samples or 1
-    greedy, sampled = (torch.nan_to_num(score([eval_func], [r for r in rows for _ in range(g)], engine.generate(
-        ids, g, args.max_new_tokens, temperature=t, top_p=args.top_p))[:, 0]).view(-1, g)  # (prompts, g)
-        for t, g in ((0.0, 1), (args.temperature, n)))
+    def rewards(temperature, g):  # (prompts, g): the eval reward of g completions per prompt
+        rollout = engine.generate(ids, g, args.max_new_tokens, temperature=temperature, top_p=args.top_p)
+        rewards = score([eval_func], [r for r in rows for _ in range(g)], rollout, conversational, args.reward_timeout)
+        return rewards[:, 0].nan_to_num().view(-1, g)
+    greedy, sampled = rewards(0.0, 1), rewards(args.temperature, n)
     passes = [sum(pass_at_k(n, int(c), k) for c in (sampled >= 1).sum(1)) for k in args.eval_k]
     totals = torch.tensor([greedy.sum(), sampled.mean(1).sum(), *passes, len(rows)], device=device)  # sums, count
     if ddp:
@@ -253,8 +241,7 @@ metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
 metrics_file = checkpoint.open_metrics(metrics_path, start_step if resume_from else None) if master else None
 if not resume_from:
     record = dict(step=0, **evaluate())
-    print0(f"step 0: held-out accuracy greedy {record['eval_greedy']:.3f} sampled {record['eval_sampled']:.3f}"
-           + "".join(f" {k} {v:.3f}" for k, v in record.items() if k.startswith("pass@")))
+    print0(step_line(record))
     if master:
         metrics_file.write(json.dumps(record) + "\n")
     mark("first evaluation")
@@ -270,7 +257,7 @@ for step in (bar := tqdm(range(start_step + 1, args.steps + 1), initial=start_st
     while batch is None:
         rows, rollout, sampler_version, seconds = ahead or sample(consumed)
         consumed, ahead, t1 = consumed + args.prompts_per_step, None, time.time()
-        rounds.append((rows, rollout, score(reward_funcs, rows, rollout)))  # rewards (N, F)
+        rounds.append((rows, rollout, score(reward_funcs, rows, rollout, conversational, args.reward_timeout)))  # rewards (N, F)
         times["rollout"], times["reward"] = times["rollout"] + seconds, times["reward"] + time.time() - t1
         batch = dynamic_sampling(rounds, args.dynamic_sampling, args.G, args.reward_weights, pad_id(tokenizer))
     ahead = in_background(sample, consumed) if args.async_ and step < args.steps else None  # --async: the next batch
@@ -363,12 +350,7 @@ for step in (bar := tqdm(range(start_step + 1, args.steps + 1), initial=start_st
         metrics_file.write(json.dumps(record) + "\n")
         metrics_file.flush()
         bar.set_postfix(reward=f"{record['reward_mean']:.3f}", loss=f"{record['loss']:.4f}")
-        tqdm.write(f"step {step} | reward {record['reward_mean']:.3f} | loss {record['loss']:.4f} | "  # above the bar
-                   + (f"kl {record['kl']:.4f} | " if "kl" in record else "") + f"len {record['len_mean']:.1f} | "
-                   + " ".join(f"{k} {times[k]:.2f}s" for k in times)
-                   + (f" | held-out greedy {record['eval_greedy']:.3f} sampled {record['eval_sampled']:.3f}"
-                      + "".join(f" {k} {v:.3f}" for k, v in record.items() if k.startswith("pass@"))
-                      if "eval_greedy" in record else ""))
+        tqdm.write(step_line(record, times))  # above the bar
         if wandb_run:
             wandb_run.log(record, step=step)
     if step % args.save_every == 0 or step == args.steps:
