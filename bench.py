@@ -8,6 +8,7 @@ Benchmarks, one mode per stage; every figure is a ratio against a baseline measu
     python bench.py gpu --tiny       # the same code paths on CPU at toy sizes (CI runs it; ~1 min of CPU)
     python bench.py memory           # peak RSS of one update step per --micro-batch-size, V = 151,936 (CPU)
     python bench.py lora             # trainer memory (weights, grads, AdamW) with and without LoRA, Qwen2.5 shapes
+    python bench.py update           # the update's forward + backward: prefix-shared vs whole sequences (CPU)
 
 `gpu` runs three sections, each printed as it goes and written to --out (JSON) after each one. Models are built
 from configs (random init), nothing is downloaded. A section that fails or passes its deadline (its share of
@@ -566,6 +567,41 @@ def bench_gpu(args):
     sys.exit(1 if failed else 0)
 
 
+def bench_update(args):
+    """The update's forward + backward (common.completion_logits, a logsumexp loss) for the default task's batch:
+    32 prompts x G = 8, 4-token prompts and completions, the tiny model; prefix-shared against the plain forward over
+    whole (prompt + completion) sequences, interleaved, median of --repeats each."""
+    from common import completion_logits, prompt_batch
+    from rollout import sequence_batch
+    from task import build_tiny_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model = build_tiny_model(tokenizer)
+    g = torch.Generator().manual_seed(0)
+    for P, T in ((4, 4), (16, 4), (4, 16)):
+        groups = [torch.randint(3, 15, (P,), generator=g).tolist() for _ in range(32)]
+        prompts = [p for p in groups for _ in range(8)]  # (N,) each prompt G = 8 times, as Rollout.prompt_ids
+        completion_ids = torch.randint(3, 15, (len(prompts), T), generator=g)  # (N, T)
+        whole, shared = sequence_batch(prompts, completion_ids, 0), prompt_batch(prompts, 0)
+
+        def plain():
+            return model(input_ids=whole[0], attention_mask=whole[1], position_ids=whole[2],
+                         logits_to_keep=T + 1).logits[:, :-1]
+
+        def prefix():
+            return completion_logits(model, shared, slice(0, len(prompts)), completion_ids)
+        times = {"whole": [], "shared": []}
+        for _ in range(args.repeats or 7):
+            for name, forward in (("whole", plain), ("shared", prefix)):
+                model.zero_grad()
+                t0 = time.perf_counter()
+                forward().logsumexp(-1).sum().backward()
+                times[name].append(time.perf_counter() - t0)
+        whole_s, shared_s = (statistics.median(times[k]) for k in ("whole", "shared"))
+        print(f"P {P:>2} T {T:>2} N {len(prompts)}: whole sequences {whole_s * 1e3:6.1f} ms, prefix-shared "
+              f"{shared_s * 1e3:6.1f} ms, ratio {whole_s / shared_s:.2f}x", flush=True)
+
+
 def bench_memory(args):
     """Peak RSS of one update step of a Qwen2.5-like model (tests/real_shapes.py: V = 151,936, tied, hidden 64) at
     bf16 compute, as train.py runs it: old and reference log-probs, then forward, backward and AdamW over the
@@ -662,7 +698,7 @@ def _memory_step(args):  # one setting of bench_memory, in its own process
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["rollout", "kernel", "gpu", "memory", "lora", "_memory_step"])
+    parser.add_argument("mode", choices=["rollout", "kernel", "gpu", "memory", "lora", "update", "_memory_step"])
     parser.add_argument("--tiny", action="store_true", help="small shapes, CPU-runnable (checks the script itself)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed repeats per figure (median reported); default 5 (gpu: 1 for rollouts, "
@@ -685,4 +721,4 @@ if __name__ == "__main__":
     if args.mode != "gpu":
         args.repeats = args.repeats or 5
     {"rollout": bench_rollout, "kernel": bench_kernel, "gpu": bench_gpu, "memory": bench_memory, "lora": bench_lora,
-     "_memory_step": _memory_step}[args.mode](args)
+     "update": bench_update, "_memory_step": _memory_step}[args.mode](args)
