@@ -9,6 +9,7 @@ Benchmarks, one mode per stage; every figure is a ratio against a baseline measu
     python bench.py memory           # peak RSS of one update step per --micro-batch-size, V = 151,936 (CPU)
     python bench.py lora             # trainer memory (weights, grads, AdamW) with and without LoRA, Qwen2.5 shapes
     python bench.py update           # the update's forward + backward: prefix-shared vs whole sequences (CPU)
+    python bench.py runs OUT [OUT..] # train.py out-dirs side by side: median step, stages, steps/time to >= 0.95
 
 `gpu` runs three sections, each printed as it goes and written to --out (JSON) after each one. Models are built
 from configs (random init), nothing is downloaded. A section that fails or passes its deadline (its share of
@@ -602,6 +603,26 @@ def bench_update(args):
               f"{shared_s * 1e3:6.1f} ms, ratio {whole_s / shared_s:.2f}x", flush=True)
 
 
+def bench_runs(args):
+    """train.py out-dirs side by side, from their metrics.jsonl: the median step (wall-clock deltas of `elapsed`; a
+    step right after an evaluation or a checkpoint takes the median instead, as those are not training), the median
+    of each logged stage time, the first held-out greedy >= 0.95 and the training time to it (the deltas summed)."""
+    for out in args.out_dirs:
+        records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+        steps = [r for r in records if r["step"] > 0]
+        after_eval = {r["step"] + 1 for r in records if "eval_greedy" in r}
+        deltas = {b["step"]: b["elapsed"] - a["elapsed"] for a, b in zip(steps, steps[1:])}
+        median = statistics.median(v for k, v in deltas.items() if k not in after_eval)
+        first = next((r["step"] for r in records if r.get("eval_greedy", 0) >= 0.95), None)
+        to_095 = first and steps[0]["elapsed"] + sum(median if k in after_eval else v for k, v in deltas.items()
+                                                     if k <= first)
+        stages = sorted({k for r in steps for k in r if k.startswith("time_")})
+        print(f"{out}: median step {median:.3f} s | " + " ".join(
+            f"{k[5:]} {statistics.median(r.get(k, 0.0) for r in steps):.3f}" for k in stages)
+            + f" | held-out >= 0.95 at step {first}" + (f" ({to_095:.1f} s of training)" if first else "")
+            + "".join(f" | {k} {steps[-1][k]}" for k in ("staleness",) if k in steps[-1]))
+
+
 def bench_memory(args):
     """Peak RSS of one update step of a Qwen2.5-like model (tests/real_shapes.py: V = 151,936, tied, hidden 64) at
     bf16 compute, as train.py runs it: old and reference log-probs, then forward, backward and AdamW over the
@@ -698,7 +719,8 @@ def _memory_step(args):  # one setting of bench_memory, in its own process
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["rollout", "kernel", "gpu", "memory", "lora", "update", "_memory_step"])
+    parser.add_argument("mode", choices=["rollout", "kernel", "gpu", "memory", "lora", "update", "runs", "_memory_step"])
+    parser.add_argument("out_dirs", nargs="*", help="runs: train.py out-dirs")
     parser.add_argument("--tiny", action="store_true", help="small shapes, CPU-runnable (checks the script itself)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed repeats per figure (median reported); default 5 (gpu: 1 for rollouts, "
@@ -721,4 +743,4 @@ if __name__ == "__main__":
     if args.mode != "gpu":
         args.repeats = args.repeats or 5
     {"rollout": bench_rollout, "kernel": bench_kernel, "gpu": bench_gpu, "memory": bench_memory, "lora": bench_lora,
-     "update": bench_update, "_memory_step": _memory_step}[args.mode](args)
+     "update": bench_update, "runs": bench_runs, "_memory_step": _memory_step}[args.mode](args)

@@ -55,3 +55,16 @@ def test_reward_model_mixed_with_rule_reward(chat_model, reward_model, tmp_path)
         tmp_path / "out")
     name = f"reward/reward_model_{reward_model.name}"
     assert name in records[1] and records[1][name] == records[1][name]  # logged and not NaN
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_lora_dynamic_sampling_pass_at_k_with_a_dataset(nproc, chat_model, tmp_path):
+    """Issue 16's three features together on a dataset (the GSM8K fixtures, a chat model), on 1 and 2 ranks."""
+    pytest.importorskip("peft", reason="--lora-rank needs peft")
+    args = recipe_args(chat_model, tmp_path) + ["--engine", "hf", "--lora-rank", "4", "--dynamic-sampling", "2",
+                                                "--eval-samples", "4", "--eval-k", "1", "4", "--eval-every", "3"]
+    _, out, records = run_train(args, tmp_path / "out", nproc=nproc)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert all(1 <= r["ds_rounds"] <= 2 and r["ds_groups_generated"] == 2 * r["ds_rounds"] for r in records[1:])
+    assert {"pass@1", "pass@4"} <= records[0].keys() and {"pass@1", "pass@4"} <= records[-1].keys()
+    assert (tmp_path / "out" / "model" / "adapter" / "adapter_model.safetensors").exists()
