@@ -349,9 +349,10 @@ def load_rows(dataset, *, digits, eval_size, seed, config, split, eval_split, pr
     return load(split), load(eval_split)[:eval_size]
 
 
-def prepare_prompts(tokenizer, rows, system_prompt, max_len, what, raw=False, log=print):
+def prepare_prompts(tokenizer, rows, system_prompt, max_len, what, raw=False, log=print, min_rows=1):
     """Rows -> (kept rows, their token ids, conversational): render (chat template + system prompt, or plain
-    text; raw: the question as it is, as the built-in task wants), encode, drop prompts over max_len tokens."""
+    text; raw: the question as it is, as the built-in task wants), encode, drop prompts over max_len tokens.
+    ValueError when fewer than min_rows are left (train.py: each rank evaluates a share of the held-out ones)."""
     system_prompt = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt  # '' = none
     questions = [r["prompt"] for r in rows]
     texts, conversational = (questions, False) if raw else render_prompts(tokenizer, questions, system_prompt)
@@ -360,6 +361,9 @@ def prepare_prompts(tokenizer, rows, system_prompt, max_len, what, raw=False, lo
     if not keep:
         raise ValueError(f"all {len(rows)} {what} prompts are longer than --max-prompt-len {max_len} tokens: raise "
                          f"it (the model's context must also hold --max-new-tokens)")
+    if len(keep) < min_rows:
+        raise ValueError(f"{len(keep)} of {len(rows)} {what} prompts fit in --max-prompt-len {max_len} tokens, fewer "
+                         f"than the {min_rows} ranks that each need one: raise --max-prompt-len or add prompts")
     if len(keep) < len(rows):
         log(f"warning: dropped {len(rows) - len(keep)} of {len(rows)} {what} prompts longer than --max-prompt-len")
     return [rows[i] for i in keep], [ids[i] for i in keep], conversational

@@ -170,8 +170,8 @@ try:
         split=args.split, eval_split=args.eval_split, prompt_column=args.prompt_column, solution_column=args.solution_column)
     prompt_limit = task.prompt_limit(args.max_prompt_len, args.max_new_tokens, context_len)
     (train_rows, train_ids, conversational), (eval_rows, eval_ids, _) = (task.prepare_prompts(
-        tokenizer, rows, args.system_prompt, prompt_limit, what, raw=builtin_task, log=print0)
-        for rows, what in ((train_rows, "train"), (eval_rows, "held-out")))
+        tokenizer, rows, args.system_prompt, prompt_limit, what, raw=builtin_task, log=print0, min_rows=least)
+        for rows, what, least in ((train_rows, "train", 1), (eval_rows, "held-out", world)))
     mark("imports, data")
     seed_all(args.seed + rank)
     init_path = os.path.join(args.out_dir, "init_model") if tiny else args.model  # the reference; LoRA's base

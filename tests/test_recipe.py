@@ -62,9 +62,18 @@ def test_lora_dynamic_sampling_pass_at_k_with_a_dataset(nproc, chat_model, tmp_p
     """Issue 16's three features together on a dataset (the GSM8K fixtures, a chat model), on 1 and 2 ranks."""
     pytest.importorskip("peft", reason="--lora-rank needs peft")
     args = recipe_args(chat_model, tmp_path) + ["--engine", "hf", "--lora-rank", "4", "--dynamic-sampling", "2",
-                                                "--eval-samples", "4", "--eval-k", "1", "4", "--eval-every", "3"]
+                                                "--eval-samples", "4", "--eval-k", "1", "4", "--eval-every", "3",
+                                                "--max-prompt-len", "1000"]  # both held-out prompts: one per rank
     _, out, records = run_train(args, tmp_path / "out", nproc=nproc)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert all(1 <= r["ds_rounds"] <= 2 and r["ds_groups_generated"] == 2 * r["ds_rounds"] for r in records[1:])
     assert {"pass@1", "pass@4"} <= records[0].keys() and {"pass@1", "pass@4"} <= records[-1].keys()
     assert (tmp_path / "out" / "model" / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_fewer_held_out_prompts_than_ranks_is_one_line(chat_model, tmp_path):
+    """The length filter leaves 1 held-out prompt (of 2) for 2 ranks: one clear line, not a crash on the empty rank."""
+    rc, out, _ = run_train(recipe_args(chat_model, tmp_path) + ["--engine", "hf"], tmp_path / "out", nproc=2,
+                           check=False)
+    assert rc != 0 and "error: 1 of 2 held-out prompts fit in --max-prompt-len" in out, out[-3000:]
+    assert "]: Traceback" not in out, out[-3000:]  # no rank crashed (torchrun itself reports the exit status)
