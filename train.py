@@ -257,7 +257,8 @@ for step in (bar := tqdm(range(start_step + 1, args.steps + 1), initial=start_st
     while batch is None:
         rows, rollout, sampler_version, seconds = ahead or sample(consumed)
         consumed, ahead, t1 = consumed + args.prompts_per_step, None, time.time()
-        rounds.append((rows, rollout, score(reward_funcs, rows, rollout, conversational, args.reward_timeout)))  # rewards (N, F)
+        rewards = score(reward_funcs, rows, rollout, conversational, args.reward_timeout)  # (N, F)
+        rounds.append((rows, rollout, rewards))
         times["rollout"], times["reward"] = times["rollout"] + seconds, times["reward"] + time.time() - t1
         batch = dynamic_sampling(rounds, args.dynamic_sampling, args.G, args.reward_weights, pad_id(tokenizer))
     ahead = in_background(sample, consumed) if args.async_ and step < args.steps else None  # --async: the next batch
