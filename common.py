@@ -307,11 +307,11 @@ def prompt_batch(prompt_ids, pad_id):
     prompt row (N,). prompt_ids lists each completion's prompt, a group's consecutively (Rollout.prompt_ids)."""
     first = [i == 0 or p != prompt_ids[i - 1] for i, p in enumerate(prompt_ids)]
     prompt_row = torch.tensor(first).cumsum(0) - 1  # (N,)
+    from rollout import sequence_batch  # here: rollout imports lora, which imports this module
+
     prompts = [p for p, f in zip(prompt_ids, first) if f]
-    P = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_id] * (P - len(p)) + p for p in prompts])  # (B, P)
-    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])  # (B, P)
-    return ids, mask, (mask.cumsum(1) - 1).clamp(min=0), prompt_row  # left padding must not shift RoPE positions
+    no_completions = torch.zeros(len(prompts), 0, dtype=torch.long)  # (B, 0)
+    return (*sequence_batch(prompts, no_completions, pad_id), prompt_row)  # left-padded, as HF generate's prompts
 
 
 def completion_logits(model, prompts, rows, completion_ids, dtype=torch.float32):
