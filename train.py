@@ -257,11 +257,12 @@ for step in (bar := tqdm(range(start_step + 1, args.steps + 1), initial=start_st
     while batch is None:
         rows, rollout, sampler_version, seconds = ahead or sample(consumed)
         consumed, ahead, t1 = consumed + args.prompts_per_step, None, time.time()
+        if args.async_ and step < args.steps:  # --async: ask for the next batch now, and score and train meanwhile
+            ahead = in_background(sample, consumed)
         rewards = score(reward_funcs, rows, rollout, conversational, args.reward_timeout)  # (N, F)
         rounds.append((rows, rollout, rewards))
         times["rollout"], times["reward"] = times["rollout"] + seconds, times["reward"] + time.time() - t1
         batch = dynamic_sampling(rounds, args.dynamic_sampling, args.G, args.reward_weights, pad_id(tokenizer))
-    ahead = in_background(sample, consumed) if args.async_ and step < args.steps else None  # --async: the next batch
     (rows, rollout, rewards), sampling_stats = batch
     completion_ids = rollout.completion_ids.to(device)  # (N, T)
     completion_mask = rollout.completion_mask.to(device).float()  # (N, T)
