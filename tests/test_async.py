@@ -1,7 +1,7 @@
 """--async (one-step-off-policy GRPO in server mode) end to end against a local `python server.py` (tests/
 test_server.py starts it): every batch after the first is sampled with the weights one update behind the trainer's,
 as the server itself reports (sampler_version, from the version each sync names), and the ratio is taken against
-the sampler's log-probs (1 on the one on-policy batch, not after). On 1 rank and 2 (FSDP2); a kill -9 mid-run
+the sampler's log-probs (1 on the one on-policy batch, not after). On 1 rank and 2 (DDP, FSDP2); a kill -9 mid-run
 resumes bit-identically (the next batch, already sampled, is in the checkpoint); a server killed mid-run ends the
 run with RemoteEngine's one line on every rank, in seconds. The last test kills the module's server.
 
@@ -70,10 +70,15 @@ def test_kill_and_resume_is_bit_identical(straight, server, tiny, tmp_path):
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
+def test_two_ranks_ddp(server, tiny, tmp_path):
+    """2 trainer ranks with DDP, one step off-policy: each rank's batches carry the versions a single rank's do."""
+    _, _, records = run_train(async_args(tiny, server, steps=4), tmp_path, nproc=2)
+    check_staleness(records)
+
+
 def test_two_ranks_fsdp_then_server_killed(server, tiny, tmp_path):
     """Last (it kills the module's server): 2 trainer ranks with FSDP2 train one step off-policy; then the server
-    dies mid-run, and every rank stops within seconds with RemoteEngine's one line, not a traceback or a hang.
-    (With DDP instead, the same checks passed when this was written; CI leaves that run out: ~30 s of CPU.)"""
+    dies mid-run, and every rank stops within seconds with RemoteEngine's one line, not a traceback or a hang."""
     proc, url = server
     log = tmp_path / "train.log"
     with open(log, "w") as f:
