@@ -189,13 +189,11 @@ def seed_all(seed):
 
 def setup(threads, dtype_name):
     """Process group (nccl on GPUs, gloo on CPU), device, torch threads -> (device, compute dtype). Also silences
-    the per-shard progress bars of datasets and save_pretrained, which would break the step bar, and makes a
+    save_pretrained's per-shard progress bars, which would break the step bar (datasets': task.py), and makes a
     rollout server gone (server.py's ConnectionError, from any thread) end this rank with its one line."""
-    import datasets
     from transformers.utils.logging import disable_progress_bar
 
     disable_progress_bar()
-    datasets.disable_progress_bars()
     # vLLM's noise that asks nothing of the user: a Triton notice it logs before configuring its own logger (Python's
     # last-resort handler prints it), and a deprecation warning from its own import (vLLM 0.32)
     logging.getLogger("vllm").addHandler(logging.NullHandler())

@@ -49,7 +49,6 @@ import re
 import threading
 
 import torch
-from math_verify import parse, verify
 
 from sandbox import code_reward
 
@@ -81,6 +80,7 @@ def _parse_gold(solution):
     # math-verify's own GSM8K task does (math_verify/tasks.py splits on "####").
     if "####" in solution:
         solution = solution.split("####")[-1].strip().split("\n")[0]
+    from math_verify import parse  # here, not at the top: sympy costs every run ~1 s of start-up
     return parse(solution.strip(), **_timeouts()[0])
 
 
@@ -92,6 +92,7 @@ def _score(solution, answer_text):
     if not gold:
         return None
     parse_kw, verify_kw = _timeouts()
+    from math_verify import parse, verify
     try:
         return float(verify(gold, parse(answer_text, **parse_kw), **verify_kw))
     except Exception:  # a comparison math-verify cannot do (timeout, sympy error): no opinion

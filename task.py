@@ -27,6 +27,7 @@ Simplifications:
 5. Rows keep the dataset's prompt (the question), not the rendered text: rewards, including reward
    models with their own chat template, see the question as the dataset wrote it (as in TRL).
 """
+import functools
 import glob
 import json
 import os
@@ -146,11 +147,14 @@ def batch_indices(num_rows, consumed, per_step, rank, world, seed):
     each prompt exactly once."""
     per_rank = per_step // world
     first = consumed + rank * per_rank  # this rank's first global draw
-    orders = {}
-    for epoch in {g // num_rows for g in range(first, first + per_rank)}:
-        orders[epoch] = list(range(num_rows))
-        random.Random(seed * 1000 + epoch).shuffle(orders[epoch])
-    return [orders[g // num_rows][g % num_rows] for g in range(first, first + per_rank)]
+    return [epoch_order(num_rows, seed, g // num_rows)[g % num_rows] for g in range(first, first + per_rank)]
+
+
+@functools.lru_cache(maxsize=2)  # shuffling 20,000 rows in Python costs ~6 ms: once per epoch, not once per step
+def epoch_order(num_rows, seed, epoch):
+    order = list(range(num_rows))
+    random.Random(seed * 1000 + epoch).shuffle(order)
+    return tuple(order)
 
 
 # -----------------------------------------------------------------------------
@@ -174,7 +178,9 @@ def load_prompt_dataset(name_or_path, *, config=None, split="train", prompt_colu
     renamed "prompt" and the solution column "solution" (None: the dataset has no golds); every other
     column is kept and reaches the reward functions as a keyword argument.
     GSM8K: load_prompt_dataset("openai/gsm8k", config="main", prompt_column="question", solution_column="answer")"""
-    import datasets
+    import datasets  # here: its import costs a second that the built-in task does not need
+
+    datasets.disable_progress_bars()  # per-shard bars would break the step bar
 
     paths = [name_or_path] if isinstance(name_or_path, (str, os.PathLike)) else list(name_or_path)
     paths = [os.fspath(p) for p in paths]

@@ -19,6 +19,8 @@ from helpers import ROOT, read_metrics, run_train, without_timings
 from test_resume import start_and_kill
 from test_server import start_server
 
+pytestmark = pytest.mark.xdist_group("test_async")  # one worker builds the rollout server and the straight run once (--dist loadgroup)
+
 STEPS = 6
 
 

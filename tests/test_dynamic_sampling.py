@@ -15,6 +15,8 @@ from helpers import run_train, without_timings
 from known_rewards import EVAL_SAMPLES, correct_samples, informative
 from rollout import Rollout
 
+pytestmark = pytest.mark.xdist_group("test_dynamic_sampling")  # one worker builds the 2-rank run once (--dist loadgroup)
+
 PAD = 0
 
 

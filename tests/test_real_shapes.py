@@ -14,6 +14,8 @@ from real_shapes import llama_like, qwen_like
 from test_data import write_gsm8k_jsonl
 from test_rollout import perturbed, trainer_logps
 
+pytestmark = pytest.mark.xdist_group("test_real_shapes")  # one worker builds the two V = 151,936 checkpoints once (--dist loadgroup)
+
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):

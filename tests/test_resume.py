@@ -128,6 +128,7 @@ def live_run(tmp_path_factory):
     proc.wait()
 
 
+@pytest.mark.xdist_group("live_run")  # one worker: the two share the live run, in this order
 def test_second_run_on_a_live_out_dir_is_refused_on_every_rank(live_run):
     """The same command again while the first runs: one line naming the holder, every rank exits, nothing touched."""
     proc, out_dir, workers = live_run
@@ -140,6 +141,7 @@ def test_second_run_on_a_live_out_dir_is_refused_on_every_rank(live_run):
     assert len(read_metrics(out_dir)) >= before and proc.poll() is None  # the live run goes on
 
 
+@pytest.mark.xdist_group("live_run")  # one worker: the two share the live run, in this order
 def test_workers_stop_when_the_torchrun_agent_is_killed(live_run):
     """kill -9 of the agent alone: its workers notice the launcher is gone and exit within seconds."""
     proc, out_dir, workers = live_run

@@ -13,6 +13,8 @@ from helpers import PROMPTS
 from loss import selective_log_softmax
 from rollout import HFEngine, VLLMEngine, make_engine, pad_id, sequence_batch
 
+pytestmark = pytest.mark.xdist_group("test_rollout")  # one worker builds the vLLM engine once (--dist loadgroup)
+
 G, MAX_NEW = 8, 12
 
 

@@ -21,6 +21,8 @@ import torch
 
 from helpers import ENV, PROMPTS, run_two_rank_script
 
+pytestmark = pytest.mark.xdist_group("test_server")  # one worker builds the rollout server once (--dist loadgroup)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 G, MAX_NEW, TEMPERATURE = 4, 10, 0.7
 
