@@ -35,7 +35,9 @@ import threading
 import time
 import warnings
 from concurrent.futures import Future
+from contextlib import contextmanager
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
@@ -181,7 +183,6 @@ def require(module, message):
 
 
 def seed_all(seed):
-    import numpy as np
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -299,13 +300,39 @@ def load_model(path, dtype, device, fsdp=False, lora=None, frozen=False):
     return m.to(device)
 
 
+def sequence_batch(prompt_ids, completion_ids, pad_id):
+    """Left-pad prompts to a common length P and append the completions: (B, P+T) ids, mask, positions (CPU)."""
+    P = max(len(p) for p in prompt_ids)
+    prompts = torch.tensor([[pad_id] * (P - len(p)) + p for p in prompt_ids])  # (B, P)
+    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompt_ids])  # (B, P)
+    input_ids = torch.cat([prompts, completion_ids], dim=1)  # (B, P+T)
+    attention_mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)  # (B, P+T)
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding must not shift RoPE positions
+    return input_ids, attention_mask, position_ids
+
+
+@contextmanager
+def private_rng(seed):
+    """Run the body on the global RNGs (torch CPU and CUDA device, random, numpy) seeded by seed, then restore them."""
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=cuda):
+        torch.default_generator.manual_seed(seed)
+        if cuda:
+            torch.cuda.manual_seed(seed)
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+
+
 def prompt_batch(prompt_ids, pad_id):
     """A rollout's prompts for the trainer's forwards, each distinct prompt once (its G completions share it, see
     completion_logits): left-padded ids (B, P), their mask (B, P), RoPE positions (B, P) and each completion's
     prompt row (N,). prompt_ids lists each completion's prompt, a group's consecutively (Rollout.prompt_ids)."""
     first = [i == 0 or p != prompt_ids[i - 1] for i, p in enumerate(prompt_ids)]
     prompt_row = torch.tensor(first).cumsum(0) - 1  # (N,)
-    from rollout import sequence_batch  # here: rollout imports lora, which imports this module
 
     prompts = [p for p, f in zip(prompt_ids, first) if f]
     no_completions = torch.zeros(len(prompts), 0, dtype=torch.long)  # (B, 0)

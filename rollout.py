@@ -29,20 +29,20 @@ Simplifications:
    its memory grows with N * T * V: it is the fallback for small models, not the fast path.
 6. VLLMEngine.close() tears down vLLM's process-wide state, including torch.distributed's default
    process group (vllm/distributed/parallel_state.py): close the last engine once, at the very end.
+7. On CPU, VLLMEngine sizes the KV cache to the need (cpu_kv_cache_bytes) and runs the one op vLLM's sampler
+   compiles (the sampled token's rank, unused here) eagerly, for the whole process: 6-7 s less start-up.
 """
 import inspect
 import logging
 import os
-import random
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from common import private_rng, sequence_batch
 from lora import sync_parameters
 
 
@@ -71,33 +71,6 @@ def build_rollout(prompt_ids, G, completions, logps, finished, pad_id, tokenizer
                    torch.tensor(finished, dtype=torch.bool), texts)
 
 
-def sequence_batch(prompt_ids, completion_ids, pad_id):
-    """Left-pad prompts to a common length P and append the completions: (B, P+T) ids, mask, positions (CPU)."""
-    P = max(len(p) for p in prompt_ids)
-    prompts = torch.tensor([[pad_id] * (P - len(p)) + p for p in prompt_ids])  # (B, P)
-    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompt_ids])  # (B, P)
-    input_ids = torch.cat([prompts, completion_ids], dim=1)  # (B, P+T)
-    attention_mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)  # (B, P+T)
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding must not shift RoPE positions
-    return input_ids, attention_mask, position_ids
-
-
-@contextmanager
-def private_rng(seed):
-    """Run the body on the global RNGs (torch CPU and CUDA device, random, numpy) seeded by seed, then restore them."""
-    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    python_state, numpy_state = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=cuda):
-        torch.default_generator.manual_seed(seed)
-        if cuda:
-            torch.cuda.manual_seed(seed)
-        try:
-            yield
-        finally:
-            random.setstate(python_state)
-            np.random.set_state(numpy_state)
-
-
 def pad_id(tokenizer):
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -121,6 +94,18 @@ def full_named_parameters(model, counter, dtype=None):
         tensor = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).to(dtype or param.dtype)
         counter["bytes"] += tensor.numel() * tensor.element_size()
         yield name, tensor
+
+
+def cpu_kv_cache_bytes(config, max_model_len, dtype, ram_fraction, max_num_seqs=256, block=128):
+    """What vLLM's CPU default batch (256 sequences) of max_model_len tokens needs, in its 128-token blocks, at most
+    ram_fraction of the RAM: vLLM would zero all of that fraction (3.4 s of start-up; the tiny model needs 67 MB)."""
+    text = config.get_text_config()
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    itemsize = torch.empty(0, dtype=getattr(torch, str(dtype).removeprefix("torch."))).element_size()
+    tokens = max_num_seqs * -(-(max_model_len or text.max_position_embeddings) // block) * block
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(min(tokens * 2 * text.num_hidden_layers * heads * head_dim * itemsize, ram_fraction * ram))
 
 
 # -----------------------------------------------------------------------------
@@ -172,8 +157,15 @@ class VLLMEngine(Engine):
         from transformers import AutoConfig
         from vllm import LLM
 
+        config = AutoConfig.from_pretrained(model_path)
         if dtype in (None, "auto"):  # the checkpoint's (float32 if unsaid): vLLM's "auto" samples fp32 ones in bf16
-            dtype = AutoConfig.from_pretrained(model_path).dtype or torch.float32
+            dtype = config.dtype or torch.float32
+        if not torch.cuda.is_available():  # start-up on CPU: simplification 7
+            llm_kwargs.setdefault("kv_cache_memory_bytes", cpu_kv_cache_bytes(config, max_model_len, dtype,
+                                                                              gpu_memory_utilization))
+            from vllm.v1.sample import sampler
+            sampler.batched_count_greater_than = getattr(sampler.batched_count_greater_than,
+                                                         "_torchdynamo_orig_callable", sampler.batched_count_greater_than)
         # Reloads warn for what they did not get: RotaryEmbedding's computed cos/sin cache; with LoRA, unchanged layers
         for reload in ("layerwise", "inplace"):  # "X: Failed to load weights", "Following weights were not loaded"
             logging.getLogger(f"vllm.model_executor.model_loader.reload.{reload}").addFilter(
