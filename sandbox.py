@@ -15,12 +15,13 @@ Guaranteed (Linux, trainer running as root with CAP_SYS_ADMIN, as on our dev mac
 G1. Writes only to its own dir: a fresh tmpfs (TMPFS_MB) in a private mount namespace in which every
     other mount is read-only; it vanishes with the program.
 G2. No network: a private network namespace (loopback down), plus an audit hook refusing sockets.
-G3. Cannot signal or read the trainer: it runs as uid SANDBOX_UID + slot (one uid per parallel slot, no
-    capabilities, no_new_privs) in its own session, with a scrubbed env (PATH, HOME, LANG).
+G3. Cannot signal or read the trainer: it runs as a uid of its own (SANDBOX_UID.. +UIDS, no capabilities,
+    no_new_privs; flock-ed for the program's run, so no two programs on the host share one, whichever process
+    runs them) in its own session, with a scrubbed env (PATH, HOME, LANG).
 G4. Limits per process: CPU seconds, address space (MEM_MB), open files, file size, no core dumps;
-    RLIMIT_NPROC = MAX_PROCS counts every process of the slot's uid, so it bounds the whole program.
-G5. A wall-clock timeout SIGKILLs the process group; after every program, every process of the slot's
-    uid is SIGKILLed too (also those that left the group with setsid).
+    RLIMIT_NPROC = MAX_PROCS counts every process of the program's uid, so it bounds the whole program.
+G5. A wall-clock timeout SIGKILLs the process group; after every program, every process of its uid is
+    SIGKILLed too (also those that left the group with setsid).
 G6. Printing cannot fake results: they travel as nonce-tagged lines on a private pipe (stdout, stderr
     are discarded) and count only next to the final "done" line: sys.exit, os._exit, a crash, a kill
     or a hang before all tests ran scores the whole program 0.0.
@@ -38,29 +39,48 @@ N5. Root without CAP_SYS_ADMIN (e.g. Docker's default): no namespaces, so it can
     namespace cuts the network where the kernel allows it.
 """
 import ast
+import fcntl
 import json
 import os
-import queue
 import re
 import secrets
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 TIMEOUT_S = 10.0  # wall clock per program, start-up included
 CPU_S = 10  # RLIMIT_CPU per process
 MEM_MB = 1024  # RLIMIT_AS per process (python + numpy import needs ~0.5 GB of address space)
-MAX_PROCS = 8  # RLIMIT_NPROC: processes and threads of the slot's uid (root only, see N5)
+MAX_PROCS = 8  # RLIMIT_NPROC: processes and threads of the program's uid (root only, see N5)
 FILE_MB, TMPFS_MB, MAX_FILES = 16, 64, 64  # largest file, working dir size, open files
 WORKERS = os.cpu_count() or 1  # programs run in parallel
-SANDBOX_UID = 64000  # slot i runs as uid/gid SANDBOX_UID + i: pick a range no one on the host uses
-_free_slots = queue.Queue()  # global, so concurrent calls never share a uid
-for _slot in range(WORKERS):
-    _free_slots.put(_slot)
+SANDBOX_UID, UIDS = 64000, 256  # programs run as uid/gid SANDBOX_UID.. +255: pick a range no one on the host uses
+UID_LOCKS = "/tmp/tinygrpo-sandbox-uids"  # a uid is taken while its lock file here is flocked (G3)
+_slots = threading.BoundedSemaphore(WORKERS)  # at most WORKERS programs of this process at once
 
-# Runs in the child: isolate (as root), drop to the slot's uid, set limits, run program + tests, report.
+
+def take_uid():
+    """-> (uid, lock fd): a uid no other program on this host runs as (another rank's, another run's), held until
+    the fd closes or this process dies. Before: a slot per process, so two ranks on a node killed each other's."""
+    os.makedirs(UID_LOCKS, mode=0o700, exist_ok=True)
+    for uid in range(SANDBOX_UID, SANDBOX_UID + UIDS):
+        fd = os.open(os.path.join(UID_LOCKS, str(uid)), os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return uid, fd
+        except BlockingIOError:
+            os.close(fd)
+    raise RuntimeError(f"all {UIDS} sandbox uids from {SANDBOX_UID} are taken: too many programs on this host")
+
+
+def kill_all(uid):  # kill(-1) as uid: every process it owns, wherever it went (G5)
+    subprocess.run(["kill", "-9", "--", "-1"], user=uid, group=uid, extra_groups=[],
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+# Runs in the child: isolate (as root), drop to the program's uid, set limits, run program + tests, report.
 _HARNESS = r'''
 import ctypes, json, os, resource, sys
 def private_ancestor(path):  # the topmost directory above path that others cannot enter, if any
@@ -159,10 +179,19 @@ def count_tests(tests):
 def run_tests(program, tests, timeout_s=None):
     """Run `program` then its `tests` in the sandbox. Returns (passed, total, status), status one of
     "ok", "timeout", "exited" (ended before all tests ran: sys.exit/os._exit/crash/killed)."""
+    with _slots:  # blocks while WORKERS programs of this process are running
+        uid, lock = take_uid() if os.geteuid() == 0 else (None, None)
+        try:
+            return run_as(uid, program, tests, TIMEOUT_S if timeout_s is None else timeout_s)
+        finally:
+            if lock is not None:
+                os.close(lock)  # the uid is free again: none of its processes is left
+
+
+def run_as(uid, program, tests, timeout_s):
     total, test_names = count_tests(tests)
-    timeout_s = TIMEOUT_S if timeout_s is None else timeout_s
-    slot = _free_slots.get()  # blocks while WORKERS programs are running
-    uid = SANDBOX_UID + slot if os.geteuid() == 0 else None
+    if uid is not None:
+        kill_all(uid)  # what a trainer killed mid-program left behind as this uid
     workdir = tempfile.mkdtemp(prefix="tinygrpo-sandbox-")
     read_fd, write_fd = os.pipe()
     nonce = secrets.token_hex(16)
@@ -189,9 +218,8 @@ def run_tests(program, tests, timeout_s=None):
         except ProcessLookupError:
             pass  # no process left in the group
         proc.wait()
-        if uid is not None:  # kill(-1) as the slot's uid: every process it owns, wherever it went
-            subprocess.run(["kill", "-9", "--", "-1"], user=uid, group=uid, extra_groups=[],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if uid is not None:
+            kill_all(uid)
         os.set_blocking(read_fd, False)  # all writers are dead, but never hang here (N5)
         try:
             records = os.read(read_fd, 1 << 20)  # one read: a pipe holds at most 64 KiB
@@ -200,7 +228,6 @@ def run_tests(program, tests, timeout_s=None):
     finally:
         os.close(read_fd)
         shutil.rmtree(workdir, ignore_errors=True)
-        _free_slots.put(slot)
     lines = records.decode(errors="replace").splitlines()
     if f"{nonce} ready" not in lines and not timed_out:
         raise RuntimeError(f"sandbox failed to start:\n{setup_err.decode(errors='replace')}")

@@ -15,6 +15,7 @@ from sandbox import code_reward, extract_code, make_code_dataset, run_tests
 ROOT = os.geteuid() == 0
 NAMESPACES = ROOT and subprocess.run(  # root with CAP_SYS_ADMIN: the full sandbox (G1, G2 in sandbox.py)
     [sys.executable, "-c", "import ctypes; exit(ctypes.CDLL(None).unshare(0x40000000 | 0x00020000))"]).returncode == 0
+pytestmark = pytest.mark.xdist_group("test_sandbox")  # one worker: sandbox_processes() sees every program's uid
 ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]
 
 
@@ -30,8 +31,8 @@ def fenced(code):
 
 
 def sandbox_processes():
-    """PIDs of live processes owned by any slot uid (the sandbox must leave none behind)."""
-    uids = {str(sandbox.SANDBOX_UID + i) for i in range(sandbox.WORKERS)}
+    """PIDs of live processes owned by any sandbox uid (the sandbox must leave none behind)."""
+    uids = {str(sandbox.SANDBOX_UID + i) for i in range(sandbox.UIDS)}
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -55,6 +56,21 @@ def test_correct_partial_and_no_code():
     ]
     rewards = code_reward(completions, [ADD_TESTS] * len(completions))
     assert rewards == pytest.approx([1.0, 2 / 3, 0.0, 1.0, 1.0, 0.0])
+
+
+@pytest.mark.skipif(not ROOT, reason="programs run as uids of their own only as root (sandbox.py, N5)")
+def test_two_processes_at_once_never_kill_each_others_programs():
+    """Two trainer ranks on one node score programs at the same time. Before, each process numbered its uids from
+    SANDBOX_UID, so one's clean-up after every program (kill all of its uid) killed the other's, scored 0."""
+    slow = fenced("import time\ntime.sleep(2)\ndef ok():\n    return 1")
+    other = subprocess.Popen([sys.executable, "-c", f"import sandbox; print(sandbox.code_reward([{slow!r}] * 2, "
+                              "[['assert ok() == 1']] * 2))"], cwd=os.path.dirname(sandbox.__file__),
+                             stdout=subprocess.PIPE, text=True)
+    time.sleep(0.7)  # its two programs are sleeping
+    quick, deadline = fenced("def ok():\n    return 1"), time.time() + 1.5
+    while time.time() < deadline:  # ours start and end meanwhile, each followed by its clean-up
+        assert code_reward([quick] * 2, [["assert ok() == 1"]] * 2) == [1.0, 1.0]
+    assert other.communicate(timeout=30)[0].strip() == "[1.0, 1.0]"
 
 
 def test_test_function_format():
