@@ -80,6 +80,7 @@ def kill_all(uid):  # kill(-1) as uid: every process it owns, wherever it went (
     subprocess.run(["kill", "-9", "--", "-1"], user=uid, group=uid, extra_groups=[],
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
+
 # Runs in the child: isolate (as root), drop to the program's uid, set limits, run program + tests, report.
 _HARNESS = r'''
 import ctypes, json, os, resource, sys
