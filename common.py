@@ -300,6 +300,10 @@ def load_model(path, dtype, device, fsdp=False, lora=None, frozen=False):
     return m.to(device)
 
 
+def unwrap(model):  # the module under a DDP wrapper (its parameter names lack the 'module.' prefix)
+    return model.module if hasattr(model, "module") else model
+
+
 def sequence_batch(prompt_ids, completion_ids, pad_id):
     """Left-pad prompts to a common length P and append the completions: (B, P+T) ids, mask, positions (CPU)."""
     P = max(len(p) for p in prompt_ids)
@@ -381,7 +385,7 @@ def score(funcs, rows, rollout, conversational, timeout):
     """Rewards (N, F) of a rollout (rows: its dataset row per completion), NaN where a function had no opinion. A reward
     that raised, exited or took over timeout seconds stops every rank (reward.compute_rewards names it)."""
     columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
-    ids = [c[: int(m.sum())].tolist() for c, m in zip(rollout.completion_ids, rollout.completion_mask)]
+    ids = [c[:k] for c, k in zip(rollout.completion_ids.tolist(), rollout.completion_mask.sum(1).int().tolist())]
     texts = [[{"role": "assistant", "content": t}] for t in rollout.texts] if conversational else rollout.texts
     try:
         rewards, error = compute_rewards(funcs, [r["prompt"] for r in rows], texts, timeout,

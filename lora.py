@@ -6,6 +6,7 @@ and scale = alpha / r. B starts at 0, so the policy starts as the base model; th
     add_lora(model, config)     the model as a PeftModel, base frozen (common.load_model calls it)
     load_reference(policy, ...) the reference for --beta > 0: with LoRA the policy itself, adapters off (no 2nd copy)
     sync_parameters(model)      what a weight sync sends: every parameter, or the adapted modules' merged weights
+    full_named_parameters(...)  those as full tensors (FSDP2: gathered) in the engine's dtype, one at a time
     merged_state_dict, load_adapter   the final merged model/ and the adapter a resume loads (checkpoint.py)
 
 Run: python train.py --lora-rank 16   (README: LoRA). Simplifications:
@@ -17,8 +18,9 @@ Run: python train.py --lora-rank 16   (README: LoRA). Simplifications:
 import os
 
 import torch
+from torch.distributed.tensor import DTensor
 
-from common import load_model, require
+from common import load_model, require, unwrap
 
 ADAPTER = "default"  # peft's name for the one adapter we train
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # attention + MLP
@@ -87,7 +89,7 @@ class AdaptersOff:
 @torch.no_grad()
 def sync_parameters(model):
     """What a weight sync sends of a model (unwrapped from DDP), as (checkpoint name, tensor): every parameter, tied
-    ones under both names (see rollout.full_named_parameters), or a LoRA policy's lora_parameters, merged
+    ones under both names (see full_named_parameters), or a LoRA policy's lora_parameters, merged
     (W + scale * B A, computed as each is taken: one merged weight alive at a time)."""
     if not is_lora(model):
         yield from model.named_parameters(remove_duplicate=False)
@@ -140,3 +142,16 @@ def merged_state_dict(model, state_dict):
             delta = layers[name].get_delta_weight(ADAPTER).to(tensor.device) if name in layers else None
             merged[name] = tensor if delta is None else (tensor + delta).to(tensor.dtype)
     return merged
+
+
+def full_named_parameters(model, counter, dtype=None):
+    """(name, full tensor in dtype, else its own) one parameter at a time, in module order (LoRA: the adapted
+    modules only, merged: sync_parameters). FSDP2 parameters are DTensors: full_tensor() all-gathers one
+    when vLLM asks for it (a collective: every rank must call sync_weights). Tied weights go under both names, as
+    in an HF state_dict: vLLM 0.32's layer-wise reload refreshes a layer once all its weights arrived, and with
+    tie_word_embeddings the LM head is its own layer; sent only as embed_tokens, the logits kept the old ones."""
+    for name, param in sync_parameters(unwrap(model)):
+        tensor = param.detach()
+        tensor = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).to(dtype or param.dtype)
+        counter["bytes"] += tensor.numel() * tensor.element_size()
+        yield name, tensor

@@ -256,6 +256,9 @@ def _call(fn, name, timeout, kwargs):
     return result["values"]
 
 
+FLOAT32_MAX = torch.finfo(torch.float32).max  # a larger reward would be inf in the (N, F) tensor
+
+
 def compute_rewards(funcs, prompts, completions, timeout=None, /, **columns):
     """Call each function once on the batch, in a thread, for at most timeout seconds each -> rewards (N, F)
     float32, NaN where it returned None. RuntimeError / ValueError naming the function when it fails."""
@@ -269,13 +272,11 @@ def compute_rewards(funcs, prompts, completions, timeout=None, /, **columns):
             raise ValueError(f"reward function {name} must return a list of {N} floats or None "
                              f"(one per completion), returned {got}")
         for i, v in enumerate(values):
-            if v is None:
-                continue
             is_number = isinstance(v, numbers.Real) or (isinstance(v, torch.Tensor) and v.numel() == 1)
-            if not is_number or not abs(float(v)) <= torch.finfo(torch.float32).max:  # NaN, inf, 1e39 (float32)
+            if v is not None and (not is_number or not abs(float(v)) <= FLOAT32_MAX):  # NaN, inf, 1e39 (float32)
                 raise ValueError(f"reward function {name} returned {v!r:.80} for completion {i} "
                                  f"({_text(completions[i])!r:.80}): return a finite float32, or None for no opinion")
-            rewards[i, f] = float(v)
+        rewards[:, f] = torch.tensor([math.nan if v is None else float(v) for v in values])
     return rewards
 
 

@@ -7,32 +7,30 @@ this is what the trainer recomputes (loss.selective_log_softmax); *raw* logprobs
 
 Engines (generate -> Rollout, sync_weights(model) -> {seconds, bytes}, state_dict, load_state_dict, close):
     VLLMEngine(model_path, ...)  vLLM 0.32 in the training process; under torchrun one per rank (external_launcher)
-    HFEngine(model, tokenizer)   transformers generate (KV cache) on the trainer's own model object
+    HFEngine(model, tokenizer)   a decode loop (KV cache) on the trainer's own model object
     RemoteEngine(url, tokenizer) in server.py: the client of a vLLM rollout server on other GPUs or nodes
     make_engine("auto" | "vllm" | "hf" | "server", ...) picks one; "auto" = vLLM when it imports.
-
 Tests: python -m pytest -q tests/test_rollout*.py; benchmark: python bench.py rollout
 
 Simplifications:
-1. Weights are synced in-process, one parameter at a time, through vLLM's own `reload_weights` (the older
-   `model.load_weights` recipe fails on CPU in 0.32: see shared/notes/vllm-cpu.md), cast to the engine's dtype
-   (fp32 master weights into a bf16 engine: vLLM casts too, but warns for every tensor). FSDP2 parameters are
-   gathered with DTensor.full_tensor() as vLLM pulls them, so peak extra memory is about one layer.
-2. Engines sample from torch's global RNG (in-process vLLM too), so each generate call runs on a private
-   stream seeded by (engine seed, call number: the engine's state_dict) and restores the trainer's RNG after:
-   runs are reproducible, the trainer's randomness untouched. Never a per-request seed (SamplingParams(seed=)):
-   all G completions of a prompt would share one stream and come out identical. Give each rank its own seed.
+1. Weights are synced in-process, one parameter at a time, through vLLM's `reload_weights` (`model.load_weights`
+   fails on CPU in 0.32: shared/notes/vllm-cpu.md), cast to the engine's dtype (vLLM would too, warning for each
+   tensor). FSDP2 parameters are gathered (DTensor.full_tensor()) as vLLM pulls them: about one layer extra.
+2. Engines sample from torch's global RNG (in-process vLLM too): each generate call on a private stream seeded by
+   (engine seed, call number: the state_dict), restoring the trainer's RNG after: reproducible, the trainer's RNG
+   untouched. Never a per-request seed (SamplingParams(seed=)): a prompt's G completions would all be the same.
 3. Under torchrun, tensor_parallel_size N groups N consecutive ranks (a shard each) into one engine: generate gathers
    the group's prompts into one call and hands each rank its own completions. A group's ranks pass the same seed.
-4. vLLM applies min-p before top-k / top-p and HF after; the two agree when at most one filter is on.
-5. HFEngine keeps every step's processed scores (N, V) until generate returns (HF's output_scores), so
-   its memory grows with N * T * V: it is the fallback for small models, not the fast path.
+4. vLLM applies min-p before top-k / top-p and HFEngine after; the two agree when at most one filter is on.
+5. HFEngine is gpt-fast's decode loop on the trainer's model, a prompt's forward shared by its G completions: the
+   fallback, and on a CPU the faster engine for tiny models (README: Benchmarks); no paging, no continuous batching.
 6. VLLMEngine.close() tears down vLLM's process-wide state, including torch.distributed's default
    process group (vllm/distributed/parallel_state.py): close the last engine once, at the very end.
 7. On CPU, VLLMEngine sizes the KV cache to the need (cpu_kv_cache_bytes) and runs the one op vLLM's sampler
    compiles (the sampled token's rank, unused here) eagerly, for the whole process: 6-7 s less start-up.
 """
 import inspect
+import itertools
 import logging
 import os
 import time
@@ -42,8 +40,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from common import private_rng, sequence_batch
-from lora import sync_parameters
+from common import all_ranks_ok, private_rng, sequence_batch, unwrap
+from lora import full_named_parameters
 
 
 @dataclass
@@ -58,16 +56,14 @@ class Rollout:
 
 def build_rollout(prompt_ids, G, completions, logps, finished, pad_id, tokenizer):
     """Lists per completion (token ids, their logprobs, EOS reached) -> a padded Rollout on CPU."""
-    N, T = len(completions), max([1] + [len(c) for c in completions])
-    completion_ids = torch.full((N, T), pad_id, dtype=torch.long)  # (N, T)
-    completion_mask, sampling_logps = torch.zeros(N, T), torch.zeros(N, T)  # (N, T) x2: mask, sampler's logps
-    for i, (ids, lps) in enumerate(zip(completions, logps)):
-        completion_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        completion_mask[i, : len(ids)] = 1
-        sampling_logps[i, : len(ids)] = torch.tensor(lps, dtype=torch.float32)
+    lengths = torch.tensor([len(c) for c in completions])  # (N,)
+    mask = torch.arange(max([1] + lengths.tolist())) < lengths[:, None]  # (N, T) True up to the length
+    flat = lambda lists, dtype: torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=dtype)  # row by row
+    completion_ids = torch.full(mask.shape, pad_id).masked_scatter_(mask, flat(completions, torch.long))  # (N, T)
+    sampling_logps = torch.zeros(mask.shape).masked_scatter_(mask, flat(logps, torch.float32))  # (N, T) 0 after
     texts = tokenizer.batch_decode([ids[:-1] if f else ids for ids, f in zip(completions, finished)],
                                    skip_special_tokens=True)
-    return Rollout([p for p in prompt_ids for _ in range(G)], completion_ids, completion_mask, sampling_logps,
+    return Rollout([p for p in prompt_ids for _ in range(G)], completion_ids, mask.float(), sampling_logps,
                    torch.tensor(finished, dtype=torch.bool), texts)
 
 
@@ -77,23 +73,6 @@ def pad_id(tokenizer):
 
 def call_seed(seed, call):
     return seed * 1_000_003 + call  # distinct for every (engine seed, call number) below a million calls
-
-
-def unwrap(model):  # the module under a DDP wrapper (its parameter names lack the 'module.' prefix)
-    return model.module if hasattr(model, "module") else model
-
-
-def full_named_parameters(model, counter, dtype=None):
-    """(name, full tensor in dtype, else its own) one parameter at a time, in module order (LoRA: the adapted
-    modules only, merged: lora.sync_parameters). FSDP2 parameters are DTensors: full_tensor() all-gathers one
-    when vLLM asks for it (a collective: every rank must call sync_weights). Tied weights go under both names, as
-    in an HF state_dict: vLLM 0.32's layer-wise reload refreshes a layer once all its weights arrived, and with
-    tie_word_embeddings the LM head is its own layer; sent only as embed_tokens, the logits kept the old ones."""
-    for name, param in sync_parameters(unwrap(model)):
-        tensor = param.detach()
-        tensor = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).to(dtype or param.dtype)
-        counter["bytes"] += tensor.numel() * tensor.element_size()
-        yield name, tensor
 
 
 def cpu_kv_cache_bytes(config, max_model_len, dtype, ram_fraction, max_num_seqs=256, block=128):
@@ -106,6 +85,28 @@ def cpu_kv_cache_bytes(config, max_model_len, dtype, ram_fraction, max_num_seqs=
     tokens = max_num_seqs * -(-(max_model_len or text.max_position_embeddings) // block) * block
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return int(min(tokens * 2 * text.num_hidden_layers * heads * head_dim * itemsize, ram_fraction * ram))
+
+
+def process_logits(logits, seen, temperature, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0):
+    """(N, V) fp32 logits -> the scores HFEngine samples from (the module docstring), -inf where filtered; greedy
+    (temperature 0): unfiltered, at temperature 1. seen (N, S): the tokens so far, for the repetition penalty. Logits
+    of diverged weights (inf, NaN) are clamped, a no-op on sane ones: sampling goes on, as vLLM's, to the grad check."""
+    scores = logits.nan_to_num(0.0).clamp(-1e4, 1e4)  # (N, V)
+    if repetition_penalty != 1.0:  # CTRL's (arXiv:1909.05858): each seen token's logit divided (> 0) or multiplied
+        s = scores.gather(1, seen)
+        scores = scores.scatter(1, seen, torch.where(s < 0, s * repetition_penalty, s / repetition_penalty))
+    if temperature == 0:
+        return scores
+    scores, inf = scores / temperature, float("-inf")
+    if (top_k or 0) > 0:
+        scores = scores.masked_fill(scores < scores.topk(min(top_k, scores.shape[1])).values[:, -1:], inf)
+    if top_p < 1.0:  # drop a token when the more likely ones already hold top_p of the mass (the first stays)
+        ordered, order = scores.sort(-1, descending=True)
+        probs = ordered.softmax(-1)
+        scores = scores.scatter(1, order, ordered.masked_fill(probs.cumsum(-1) - probs > top_p, inf))
+    if min_p > 0:  # drop a token less likely than min_p x the likeliest one
+        scores = scores.masked_fill((p := scores.softmax(-1)) < min_p * p.max(-1, keepdim=True).values, inf)
+    return scores
 
 
 # -----------------------------------------------------------------------------
@@ -234,37 +235,44 @@ class HFEngine(Engine):
         self.eos_ids = sorted({tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos]) - {None})
 
     @torch.no_grad()
-    def sample(self, prompt_ids, n, max_new_tokens, rng_seed, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0,
-               repetition_penalty=1.0):
-        model, no_completions = unwrap(self.model), torch.zeros(len(prompt_ids), 0, dtype=torch.long)  # (B, 0)
-        batch = sequence_batch(prompt_ids, no_completions, self.pad_id)  # the prompts, left-padded
-        input_ids, attention_mask = batch[0].to(model.device), batch[1].to(model.device)  # (B, P)
-        # Every filter explicitly (HF's top_k=50 or the checkpoint's generation_config would apply silently); logits of
-        # diverged weights (inf, NaN) clamped, a no-op on sane ones: sampling goes on, as vLLM's, to the grad check.
-        sampling = dict(do_sample=False) if temperature == 0 else dict(
-            do_sample=True, temperature=temperature, top_p=top_p, top_k=max(top_k or 0, 0), min_p=min_p,
-            logits_processor=[lambda ids, s: s.nan_to_num(0.0).clamp(-1e4, 1e4)])  # before the temperature
-        # FSDP2 all-gathers in every forward: ranks must take the same number of steps (HF synced_gpus).
+    def sample(self, prompt_ids, n, max_new_tokens, rng_seed, temperature=1.0, **filters):
+        """gpt-fast's decode loop with prefix sharing: each prompt's forward runs once and its KV cache is copied to
+        its n completions (HF generate runs every prompt n times), then one forward a token for all of them."""
+        model, B = unwrap(self.model), len(prompt_ids)
+        ids, mask, positions = (x.to(model.device) for x in sequence_batch(  # (B, P) x3, the prompts left-padded
+            prompt_ids, torch.zeros(B, 0, dtype=torch.long), self.pad_id))
+        rows = torch.arange(B, device=ids.device).repeat_interleave(n)  # (N,) each completion's prompt
+        eos = torch.tensor(self.eos_ids, device=ids.device)
+        # FSDP2 all-gathers in every forward: ranks take the same number of steps (as HF generate's synced_gpus)
         synced = dist.is_initialized() and any(isinstance(p, DTensor) for p in model.parameters())
-        was_training = model.training
+        was_training, tokens, logps = model.training, [], []
         model.eval()
-        try:
-            with private_rng(rng_seed), torch.autocast(model.device.type, self.dtype, self.dtype != torch.float32):
-                out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                                     num_return_sequences=n, repetition_penalty=repetition_penalty,
-                                     eos_token_id=self.eos_ids, pad_token_id=self.pad_id, output_scores=True,
-                                     return_dict_in_generate=True, synced_gpus=synced, **sampling)
-        finally:
-            model.train(was_training)
-        new_ids = out.sequences[:, input_ids.shape[1] :]  # (N, T) tokens after EOS are padding
-        # out.scores: T x (N, V) processed scores (after penalty, temperature, filters); -inf = filtered
-        logps, new_ids = torch.stack([torch.log_softmax(s.float(), -1).gather(1, new_ids[:, t, None]).squeeze(1)
-                                      for t, s in enumerate(out.scores)], 1).cpu(), new_ids.cpu()  # (N, T) x2
-        is_eos = torch.isin(new_ids, torch.tensor(self.eos_ids))  # (N, T)
-        finished = is_eos.any(1)  # (N,)
-        lengths = torch.where(finished, is_eos.int().argmax(1) + 1, new_ids.shape[1]).tolist()  # (N,) to first EOS
+        with private_rng(rng_seed), torch.autocast(model.device.type, self.dtype, self.dtype != torch.float32):
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+            cache, logits = out.past_key_values, out.logits[rows, -1]  # (N, V) the next token's
+            cache.batch_select_indices(rows)  # (B, ...) -> (N, ...) per layer
+            seen = torch.where(mask.bool(), ids, ids[:, -1:])[rows]  # (N, P) prompt tokens (pads: a real one)
+            mask, position, done = mask[rows], positions[rows, -1:], torch.zeros_like(rows, dtype=torch.bool)
+            lengths = torch.zeros_like(rows)  # (N,) tokens up to the first EOS
+            for t in itertools.count():
+                if t < max_new_tokens:  # (FSDP2: a rank past its own last token steps on with the others)
+                    scores = process_logits(logits.float(), seen, temperature, **filters)  # (N, V)
+                    token = (scores.argmax(-1) if temperature == 0 else
+                             torch.multinomial(scores.softmax(-1), 1)[:, 0]).masked_fill(done, self.pad_id)  # (N,)
+                    tokens.append(token)
+                    logps.append(scores.log_softmax(-1).gather(1, token[:, None])[:, 0])  # (N,)
+                    done, lengths = done | torch.isin(token, eos), lengths + ~done  # (N,) x2
+                    seen = torch.cat([seen, token[:, None]], 1)  # (N, P+t+1)
+                more = t + 1 < max_new_tokens and not done.all()
+                if not (not all_ranks_ok(not more) if synced else more):  # synced: while any rank has more
+                    break
+                mask, position = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), position + 1  # (N, P+t+1)
+                logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=position,
+                               past_key_values=cache, use_cache=True).logits[:, -1]  # (N, V)
+        model.train(was_training)
+        new_ids, logps, lengths = torch.stack(tokens, 1).cpu(), torch.stack(logps, 1).float().cpu(), lengths.tolist()
         return ([ids[:k].tolist() for ids, k in zip(new_ids, lengths)],
-                [lps[:k].tolist() for lps, k in zip(logps, lengths)], finished.tolist())
+                [lps[:k].tolist() for lps, k in zip(logps, lengths)], done.tolist())
 
     def sync_weights(self, model):
         return dict(seconds=0.0, bytes=0)  # generates with the trainer's own parameters
@@ -279,7 +287,7 @@ def make_engine(kind="auto", *, model=None, tokenizer=None, model_path=None, url
             import vllm  # noqa: F401
             kind = "vllm"
         except Exception as e:  # ImportError, or a broken install (e.g. CUDA torchvision next to CPU torch)
-            print(f"rollout engine: vLLM unavailable ({type(e).__name__}: {e}); using HF generate")
+            print(f"rollout engine: vLLM unavailable ({type(e).__name__}: {e}); using the HF engine")
             kind = "hf"
     if kind == "vllm":
         return VLLMEngine(model_path, **engine_kwargs)

@@ -42,7 +42,9 @@ import urllib.request
 import torch
 import torch.distributed as dist
 
-from rollout import Engine, VLLMEngine, full_named_parameters, pad_id, sync_parameters, unwrap
+from common import unwrap
+from lora import full_named_parameters, sync_parameters
+from rollout import Engine, VLLMEngine, pad_id
 
 
 def reload_from_safetensors(worker, snapshot):

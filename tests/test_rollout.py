@@ -11,7 +11,7 @@ import torch
 
 from helpers import PROMPTS
 from loss import selective_log_softmax
-from rollout import HFEngine, VLLMEngine, make_engine, pad_id, sequence_batch
+from rollout import HFEngine, VLLMEngine, make_engine, pad_id, process_logits, sequence_batch
 
 pytestmark = pytest.mark.xdist_group("test_rollout")  # one worker builds the vLLM engine once (--dist loadgroup)
 
@@ -143,6 +143,21 @@ def test_processed_logprobs(tiny, engine_and_model):
     expected = trainer_logps(model, r, 0.7, top_k=3)
     assert torch.isfinite(expected).all(), "a token outside the top 3 was sampled"
     assert (r.sampling_logps - expected).abs().max() < 1e-4
+
+
+def test_hf_filters_match_transformers_processors():
+    """HFEngine's filters (process_logits) against transformers' own, one at a time: the same scores, -inf alike.
+    The repetition penalty applies before the temperature, the filters after; greedy leaves the logits as they are."""
+    from transformers.generation import logits_process as hf
+    g = torch.Generator().manual_seed(0)
+    logits, seen = torch.randn(6, 50, generator=g) * 3, torch.randint(0, 50, (6, 7), generator=g)  # (N, V), (N, S)
+    for kwargs, theirs in [(dict(top_k=5), hf.TopKLogitsWarper(5)), (dict(top_p=0.8), hf.TopPLogitsWarper(0.8)),
+                           (dict(min_p=0.1), hf.MinPLogitsWarper(0.1))]:
+        ours = process_logits(logits, seen, 0.7, **kwargs)
+        assert ours.isinf().any() and torch.equal(ours, theirs(seen, logits / 0.7)), kwargs
+    ours = process_logits(logits, seen, 0.7, repetition_penalty=1.3)
+    assert torch.allclose(ours, hf.RepetitionPenaltyLogitsProcessor(1.3)(seen, logits.clone()) / 0.7)
+    assert not torch.allclose(ours, logits / 0.7) and torch.equal(process_logits(logits, seen, 0.0), logits)
 
 
 def test_max_new_tokens_and_greedy(tiny, engine_and_model):

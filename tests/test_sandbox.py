@@ -30,8 +30,17 @@ def fenced(code):
     return f"Here is my solution:\n```python\n{code}\n```\nDone."
 
 
-def sandbox_processes():
-    """PIDs of live processes owned by any sandbox uid (the sandbox must leave none behind)."""
+def sandbox_processes(settle_s=3.0):
+    """PIDs of live processes owned by any sandbox uid (the sandbox must leave none behind). A process SIGKILLed a
+    moment ago may still be exiting (a fork bomb's hundreds, on a loaded machine): wait up to settle_s for those,
+    far too short for a survivor that goes on forking."""
+    deadline = time.time() + settle_s
+    while (pids := _sandbox_pids()) and time.time() < deadline:
+        time.sleep(0.05)
+    return pids
+
+
+def _sandbox_pids():
     uids = {str(sandbox.SANDBOX_UID + i) for i in range(sandbox.UIDS)}
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
