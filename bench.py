@@ -1,7 +1,7 @@
 """
 Benchmarks, one mode per stage; every figure is a ratio against a baseline measured in the same run.
 
-    python bench.py rollout          # vLLM vs HF generate tokens/s, weight-sync time (CPU or GPU)
+    python bench.py rollout          # vLLM vs the HF engine: tokens/s, weight-sync time (CPU or GPU)
     python bench.py kernel           # fused Triton GRPO loss vs PyTorch / torch.compile / Liger (GPU)
     python bench.py kernel --tiny    # the same script on tiny shapes under TRITON_INTERPRET=1 (CPU)
     python bench.py gpu              # the README's GPU figures in one run (one GPU, <= 8 min) -> bench_gpu.json
@@ -10,12 +10,13 @@ Benchmarks, one mode per stage; every figure is a ratio against a baseline measu
     python bench.py lora             # trainer memory (weights, grads, AdamW) with and without LoRA, Qwen2.5 shapes
     python bench.py update           # the update's forward + backward: prefix-shared vs whole sequences (CPU)
     python bench.py runs OUT [OUT..] # train.py out-dirs side by side: median step, stages, steps/time to >= 0.95
+    python bench.py trl --seeds 0 1 2  # TRL's GRPOTrainer vs train.py (HF, vLLM) on the default run (needs trl)
 
 `gpu` runs three sections, each printed as it goes and written to --out (JSON) after each one. Models are built
 from configs (random init), nothing is downloaded. A section that fails or passes its deadline (its share of
 --max-minutes) records its error and the next one runs; the exit status is 1 if any failed.
 1. kernel:  the kernel table at N = 16,384 tokens, V = 151,936, bf16, beta 0 and 0.04 (bench_kernel).
-2. rollout: vLLM vs HF generate on a Qwen2.5-0.5B-shaped model (its 151,936 vocabulary, tied embeddings), 64 prompts
+2. rollout: vLLM vs the HF engine on a Qwen2.5-0.5B-shaped model (its 151,936 vocabulary, tied embeddings), 64 prompts
             x G = 8 x 512 new tokens, the in-process weight sync, and the memory the vLLM engine allocates at start-up
             (weights + KV cache) at --vllm-memory (bench_rollout).
 3. train:   20 steps of train.py (a subprocess) on that model in bf16, 16 prompts x G = 8 x 256 tokens: median
@@ -84,7 +85,7 @@ def build_model(shape, tokenizer, device, dtype, vocab_size=None):
 
 
 def bench_rollout(args, runs=None, num_prompts=None, vocab_size=None, vllm_memory=None, rows=None):
-    """vLLM against HF generate (rollout.py's two engines) on the same prompts, G = 8, by default at two model sizes
+    """vLLM against the HF engine (rollout.py's two engines) on the same prompts, G = 8, by default at two model sizes
     and two completion lengths, plus the weight-sync cost: per call, per MB, and as a share of a GRPO step
     estimated as rollout (vLLM) + one update (forward, backward, AdamW on the rollout batch) + sync.
     The bench models' EOS id lies outside their vocabulary (never_eos_tokenizer), so every completion runs to full
@@ -161,7 +162,7 @@ def bench_rollout(args, runs=None, num_prompts=None, vocab_size=None, vllm_memor
                 engine, vllm_error = VLLMEngine(path, seed=0, dtype=dtype, max_model_len=1024, **memory), None
             except Exception as e:  # ImportError without vLLM (e.g. a GPU image without it): HF figures only
                 vllm_error = f"{type(e).__name__}: {e}"
-                print(f"{name}: vLLM engine unavailable ({vllm_error}); HF generate only")
+                print(f"{name}: vLLM engine unavailable ({vllm_error}); HF engine only")
             engine_gb = (torch.cuda.memory_allocated() - before) / 1e9 if cuda and engine else None
             if engine_gb is not None:
                 print(f"{name}: the vLLM engine allocated {engine_gb:.2f} GB at start-up (weights + KV cache, "
@@ -170,11 +171,7 @@ def bench_rollout(args, runs=None, num_prompts=None, vocab_size=None, vllm_memor
             hf = HFEngine(model, tokenizer, seed=0)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
             for length in lengths:
-                # HFEngine keeps every step's fp32 scores (N, V) until generate returns (rollout.py simplification
-                # 5): on a GPU it gets as many prompts per call as fit in half the free memory
-                fit = int(torch.cuda.mem_get_info()[0] / 2 / (G * length * vocab_size * 4)) if cuda else num_prompts
-                calls = math.ceil(num_prompts / max(1, min(num_prompts, fit)))
-                hf_per_call = math.ceil(num_prompts / calls)
+                hf_per_call = num_prompts  # one call, as vLLM's (HFEngine keeps one step's logits, not every step's)
                 # the update's batch: any ids cost the same as sampled ones (prompt i repeated G times, as generate)
                 seqs = torch.cat([torch.tensor(prompts).repeat_interleave(G, 0),
                                   torch.randint(vocab_size, (num_prompts * G, length))], 1).to(device)  # (N, P + T)
@@ -210,8 +207,6 @@ def bench_rollout(args, runs=None, num_prompts=None, vocab_size=None, vllm_memor
                       f"{tokens / hf_s:9.0f} {fmt(v['vllm_over_hf'], '7.2f')} | {fmt(v['sync_ms'], '7.1f')} "
                       f"{fmt(v['sync_ms_per_mb'], '6.2f')} {fmt(v['step_s'], '7.3f')} "
                       f"{fmt(v['sync_share'], '8.1f', 100)}%")
-                if calls > 1:
-                    print(f"{'':>10} HF generate: {calls} calls of up to {hf_per_call} prompts (so its scores fit)")
     finally:
         if engine is not None:
             engine.close()
@@ -603,24 +598,104 @@ def bench_update(args):
               f"{shared_s * 1e3:6.1f} ms, ratio {whole_s / shared_s:.2f}x", flush=True)
 
 
+def run_summary(records):
+    """From a run's metrics records: the median step (wall-clock deltas of `elapsed`; a step right after an evaluation
+    or a checkpoint takes the median instead, as those are not training), the first held-out greedy >= 0.95 and the
+    training time to it (the deltas summed)."""
+    steps = [r for r in records if r["step"] > 0]
+    after_eval = {r["step"] + 1 for r in records if "eval_greedy" in r}
+    deltas = {b["step"]: b["elapsed"] - a["elapsed"] for a, b in zip(steps, steps[1:])}
+    median = statistics.median(v for k, v in deltas.items() if k not in after_eval)
+    first = next((r["step"] for r in records if r.get("eval_greedy", 0) >= 0.95), None)
+    to_095 = first and steps[0]["elapsed"] + sum(median if k in after_eval else v for k, v in deltas.items()
+                                                 if k <= first)
+    return median, first, to_095
+
+
 def bench_runs(args):
-    """train.py out-dirs side by side, from their metrics.jsonl: the median step (wall-clock deltas of `elapsed`; a
-    step right after an evaluation or a checkpoint takes the median instead, as those are not training), the median
-    of each logged stage time, the first held-out greedy >= 0.95 and the training time to it (the deltas summed)."""
+    """train.py out-dirs side by side, from their metrics.jsonl: run_summary and the median of each logged stage."""
     for out in args.out_dirs:
         records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-        steps = [r for r in records if r["step"] > 0]
-        after_eval = {r["step"] + 1 for r in records if "eval_greedy" in r}
-        deltas = {b["step"]: b["elapsed"] - a["elapsed"] for a, b in zip(steps, steps[1:])}
-        median = statistics.median(v for k, v in deltas.items() if k not in after_eval)
-        first = next((r["step"] for r in records if r.get("eval_greedy", 0) >= 0.95), None)
-        to_095 = first and steps[0]["elapsed"] + sum(median if k in after_eval else v for k, v in deltas.items()
-                                                     if k <= first)
+        (median, first, to_095), steps = run_summary(records), [r for r in records if r["step"] > 0]
         stages = sorted({k for r in steps for k in r if k.startswith("time_")})
         print(f"{out}: median step {median:.3f} s | " + " ".join(
             f"{k[5:]} {statistics.median(r.get(k, 0.0) for r in steps):.3f}" for k in stages)
             + f" | held-out >= 0.95 at step {first}" + (f" ({to_095:.1f} s of training)" if first else "")
             + "".join(f" | {k} {steps[-1][k]}" for k in ("staleness",) if k in steps[-1]))
+
+
+def bench_trl(args):
+    """TRL's GRPOTrainer (pip install trl; not a requirement of this repo) against train.py on the default task and
+    recipe, per seed, one after the other: the same tiny model (task.save_tiny_model), data, rewards and weights,
+    32 prompts x G = 8 a step, one optimizer step per batch, lr 3e-4 (10 warmup steps, cosine to lr/10), entropy bonus
+    0.1, beta 0, eps 0.2, grad clip 1, loss "grpo", 1 torch thread; held-out greedy accuracy on the same 500 prompts
+    every 50 steps (not timed). Prints s/step, the first step >= 0.95, the training time to it and the wall time."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    import task
+    from common import require
+    trl = require("trl", "bench.py trl needs TRL (not a requirement of this repo): pip install trl")
+    import datasets  # TRL's dependency
+    from reward import exact_match_reward, get_reward_funcs
+    from rollout import HFEngine
+
+    recipe, steps, rows = task.defaults(True, True, 3), args.steps or 700, []
+    for seed in args.seeds:
+        work = tempfile.mkdtemp(prefix="bench_trl_")
+        t_start = time.time()
+        task.save_tiny_model(os.path.join(work, "init"), seed=seed)
+        tokenizer = AutoTokenizer.from_pretrained(os.path.join(work, "init"))
+        model = AutoModelForCausalLM.from_pretrained(os.path.join(work, "init"))
+        kw = dict(digits=3, eval_size=500, seed=seed, config=None, split="train", eval_split="test",
+                  prompt_column="prompt", solution_column="solution")
+        train_rows, eval_rows = task.load_rows(None, **kw)
+        eval_ids = [tokenizer(r["prompt"])["input_ids"] for r in eval_rows]
+
+        class Timer(TrainerCallback):  # the wall clock at each step's end, less the evaluations (as train.py logs)
+            def __init__(self):
+                self.records, self.excluded, self.t0 = [], 0.0, None
+
+            def on_step_end(self, targs, state, control, model=None, **_):
+                now = time.time()
+                self.t0 = self.t0 or now - 1e-9
+                record = dict(step=state.global_step, elapsed=now - self.t0 - self.excluded)
+                if state.global_step % 50 == 0 or state.global_step == steps:
+                    greedy = HFEngine(model, tokenizer).generate(eval_ids, 1, recipe["max_new_tokens"], temperature=0.0)
+                    record["eval_greedy"] = statistics.mean(exact_match_reward(
+                        greedy.texts, [r["solution"] for r in eval_rows]))
+                    self.excluded += time.time() - now
+                self.records.append(record)
+
+        config = trl.GRPOConfig(
+            output_dir=work, max_steps=steps, per_device_train_batch_size=32 * 8, num_generations=8,
+            max_completion_length=recipe["max_new_tokens"], learning_rate=recipe["lr"], warmup_steps=10,
+            lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs=dict(min_lr_rate=0.1), weight_decay=0.0,
+            max_grad_norm=1.0, beta=0.0, epsilon=0.2, entropy_coef=recipe["entropy_coef"], loss_type="grpo",
+            reward_weights=recipe["reward_weights"], temperature=1.0, use_cpu=True, seed=seed, logging_steps=50,
+            save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0, bf16=False)  # fp32, as ours
+        timer = Timer()
+        trainer = trl.GRPOTrainer(model=model, reward_funcs=list(get_reward_funcs(recipe["rewards"])), args=config,
+                                  train_dataset=datasets.Dataset.from_list(train_rows), processing_class=tokenizer,
+                                  callbacks=[timer])
+        torch.set_num_threads(args.threads)
+        trainer.train()
+        rows.append((f"TRL {trl.__version__} GRPOTrainer", seed, *run_summary(timer.records), time.time() - t_start))
+        for name, engine, folder in (("tinygrpo --engine hf", ["--engine", "hf"], "hf"),
+                                     ("tinygrpo (default: vLLM)", [], "vllm")):
+            out, t0 = os.path.join(work, folder), time.time()
+            subprocess.run([sys.executable, "train.py", "--seed", str(seed), "--steps", str(steps), "--out-dir", out,
+                            "--threads", str(args.threads), *engine], check=True, capture_output=True,
+                           cwd=os.path.dirname(os.path.abspath(__file__)))
+            records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+            rows.append((name, seed, *run_summary(records), time.time() - t0))
+        for name, seed_, median, first, to_095, wall in rows[-3:]:
+            trl_median, trl_to = rows[-3][2], rows[-3][4]
+            print(f"seed {seed_} {name:<26} {median:.3f} s/step ({trl_median / median:.2f}x TRL's speed) | held-out "
+                  f">= 0.95 at step {first} after {to_095 or float('nan'):.1f} s of training"
+                  + (f" ({trl_to / to_095:.2f}x)" if to_095 and trl_to else "") + f" | wall {wall:.0f} s", flush=True)
+        print(f"seed {seed}: train.py's runs are in {work}/hf and {work}/vllm (python bench.py runs ... for stages)")
 
 
 def bench_memory(args):
@@ -719,7 +794,8 @@ def _memory_step(args):  # one setting of bench_memory, in its own process
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["rollout", "kernel", "gpu", "memory", "lora", "update", "runs", "_memory_step"])
+    parser.add_argument("mode", choices=["rollout", "kernel", "gpu", "memory", "lora", "update", "runs", "trl",
+                                         "_memory_step"])
     parser.add_argument("out_dirs", nargs="*", help="runs: train.py out-dirs")
     parser.add_argument("--tiny", action="store_true", help="small shapes, CPU-runnable (checks the script itself)")
     parser.add_argument("--repeats", type=int, default=None,
@@ -736,6 +812,8 @@ if __name__ == "__main__":
     parser.add_argument("--engine", default=None, choices=["auto", "vllm", "hf"],
                         help="gpu: train.py's --engine (default: vllm with --tiny, else auto: vLLM when installed)")
     parser.add_argument("--new-tokens", type=int, default=64, help="memory: completion length")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="trl: one comparison per seed")
+    parser.add_argument("--steps", type=int, default=None, help="trl: GRPO steps of each run (default 700)")
     parser.add_argument("--micro", type=int, default=2, help=argparse.SUPPRESS)  # _memory_step: one setting
     parser.add_argument("--completions", type=int, default=16, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -743,4 +821,4 @@ if __name__ == "__main__":
     if args.mode != "gpu":
         args.repeats = args.repeats or 5
     {"rollout": bench_rollout, "kernel": bench_kernel, "gpu": bench_gpu, "memory": bench_memory, "lora": bench_lora,
-     "update": bench_update, "runs": bench_runs, "_memory_step": _memory_step}[args.mode](args)
+     "update": bench_update, "runs": bench_runs, "trl": bench_trl, "_memory_step": _memory_step}[args.mode](args)

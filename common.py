@@ -340,7 +340,7 @@ def prompt_batch(prompt_ids, pad_id):
 
     prompts = [p for p, f in zip(prompt_ids, first) if f]
     no_completions = torch.zeros(len(prompts), 0, dtype=torch.long)  # (B, 0)
-    return (*sequence_batch(prompts, no_completions, pad_id), prompt_row)  # left-padded, as HF generate's prompts
+    return (*sequence_batch(prompts, no_completions, pad_id), prompt_row)  # left-padded, as HFEngine's prompts
 
 
 def completion_logits(model, prompts, rows, completion_ids, dtype=torch.float32):

@@ -243,7 +243,7 @@ class HFEngine(Engine):
             prompt_ids, torch.zeros(B, 0, dtype=torch.long), self.pad_id))
         rows = torch.arange(B, device=ids.device).repeat_interleave(n)  # (N,) each completion's prompt
         eos = torch.tensor(self.eos_ids, device=ids.device)
-        # FSDP2 all-gathers in every forward: ranks take the same number of steps (as HF generate's synced_gpus)
+        # FSDP2 all-gathers in every forward: ranks take the same number of steps (HF generate's synced_gpus)
         synced = dist.is_initialized() and any(isinstance(p, DTensor) for p in model.parameters())
         was_training, tokens, logps = model.training, [], []
         model.eval()

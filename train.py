@@ -18,7 +18,7 @@ The stages: rollout.py (sample) -> reward.py (score) -> advantage.py (group z-sc
 kernels/ on GPUs) -> rollout.py (sync weights). checkpoint.py saves and resumes; common.py holds small helpers.
 
 Simplifications (each is a choice, not an accident):
-1. Rollouts run in the training process (vLLM colocated, or HF generate). Each rank samples its own share
+1. Rollouts run in the training process (vLLM colocated, or rollout.HFEngine). Each rank samples its own share
    of prompts and the G completions of a prompt stay on one rank. Rewards are all-gathered (they are tiny)
    so that advantages, "batch" scaling and the logged numbers are over the whole batch.
 2. old_logps are recomputed by the trainer only when the update can go off-policy (mu > 1, several

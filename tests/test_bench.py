@@ -1,5 +1,5 @@
 """bench.py's pure pieces (`python bench.py gpu --tiny` in .ci/run runs the rest end to end): the never-EOS
-tokenizer that makes every completion run to full length, and the summary of train.py's metrics."""
+tokenizer that makes every completion run to full length, and the summaries of train.py's metrics."""
 import math
 
 import torch
@@ -32,3 +32,14 @@ def test_summarize_train_skips_warm_up_steps_and_tolerates_no_memory_key():
     records[4]["mem_peak_gb"], records[5]["mem_peak_gb"] = 30.0, 31.5
     assert bench.summarize_train(records)["mem_peak_gb"] == 31.5
     assert bench.finite({"a": [float("nan"), 1.0], "b": float("inf")}) == {"a": [None, 1.0], "b": None}
+
+
+def test_run_summary_leaves_evaluations_out_of_the_training_time():
+    """bench.py runs / trl: the median of the step deltas, a step right after an evaluation counted at the median (its
+    delta holds the evaluation), the first held-out >= 0.95 and the training time summed up to it."""
+    elapsed = [0.1, 0.2, 0.3, 5.3, 5.4, 5.5]  # step 4's delta (5.0 s) follows step 3's evaluation
+    records = [dict(step=0, eval_greedy=0.0)] + [dict(step=s, elapsed=e) for s, e in enumerate(elapsed, 1)]
+    records[3]["eval_greedy"], records[5]["eval_greedy"] = 0.5, 0.96
+    median, first, to_095 = bench.run_summary(records)
+    assert math.isclose(median, 0.1) and first == 5 and math.isclose(to_095, 0.5)  # 0.1 + 4 steps of 0.1
+    assert bench.run_summary(records[:4])[1:] == (None, None)  # never reached
