@@ -263,8 +263,8 @@ class HFEngine(Engine):
                     logps.append(scores.log_softmax(-1).gather(1, token[:, None])[:, 0])  # (N,)
                     done, lengths = done | torch.isin(token, eos), lengths + ~done  # (N,) x2
                     seen = torch.cat([seen, token[:, None]], 1)  # (N, P+t+1)
-                more = t + 1 < max_new_tokens and not done.all()
-                if not (not all_ranks_ok(not more) if synced else more):  # synced: while any rank has more
+                finished_here = t + 1 >= max_new_tokens or bool(done.all())
+                if all_ranks_ok(finished_here) if synced else finished_here:  # FSDP2: once every rank is done
                     break
                 mask, position = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), position + 1  # (N, P+t+1)
                 logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=position,
