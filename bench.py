@@ -654,12 +654,11 @@ def bench_trl(args):
         eval_ids = [tokenizer(r["prompt"])["input_ids"] for r in eval_rows]
 
         class Timer(TrainerCallback):  # the wall clock at each step's end, less the evaluations (as train.py logs)
-            def __init__(self):
-                self.records, self.excluded, self.t0 = [], 0.0, None
+            def on_train_begin(self, *_, **__):  # as train.py's clock, which starts right before its loop
+                self.records, self.excluded, self.t0 = [], 0.0, time.time()
 
             def on_step_end(self, targs, state, control, model=None, **_):
                 now = time.time()
-                self.t0 = self.t0 or now - 1e-9
                 record = dict(step=state.global_step, elapsed=now - self.t0 - self.excluded)
                 if state.global_step % 50 == 0 or state.global_step == steps:
                     greedy = HFEngine(model, tokenizer).generate(eval_ids, 1, recipe["max_new_tokens"], temperature=0.0)
@@ -690,8 +689,8 @@ def bench_trl(args):
                            cwd=os.path.dirname(os.path.abspath(__file__)))
             records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
             rows.append((name, seed, *run_summary(records), time.time() - t0))
+        trl_median, trl_to = rows[-3][2], rows[-3][4]
         for name, seed_, median, first, to_095, wall in rows[-3:]:
-            trl_median, trl_to = rows[-3][2], rows[-3][4]
             print(f"seed {seed_} {name:<26} {median:.3f} s/step ({trl_median / median:.2f}x TRL's speed) | held-out "
                   f">= 0.95 at step {first} after {to_095 or float('nan'):.1f} s of training"
                   + (f" ({trl_to / to_095:.2f}x)" if to_095 and trl_to else "") + f" | wall {wall:.0f} s", flush=True)

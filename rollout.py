@@ -262,7 +262,7 @@ class HFEngine(Engine):
                     tokens.append(token)
                     logps.append(scores.log_softmax(-1).gather(1, token[:, None])[:, 0])  # (N,)
                     done, lengths = done | torch.isin(token, eos), lengths + ~done  # (N,) x2
-                    seen = torch.cat([seen, token[:, None]], 1)  # (N, P+t+1)
+                    seen = torch.cat([seen, token[:, None]], 1) if filters.get("repetition_penalty", 1) != 1 else seen
                 finished_here = t + 1 >= max_new_tokens or bool(done.all())
                 if all_ranks_ok(finished_here) if synced else finished_here:  # FSDP2: once every rank is done
                     break
