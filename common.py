@@ -61,6 +61,8 @@ def fail(msg, everywhere=True):
     """Exit non-zero with one line that says what to change (printed once, or by the rank that hit it)."""
     if master or not everywhere:
         print(f"error{'' if everywhere else f' (rank {rank})'}: {msg}", flush=True)
+    if everywhere and dist.is_initialized():  # every rank is here: none exits before the master's line is out
+        dist.barrier()  # (torchrun stops the other ranks as soon as one exits)
     raise SystemExit(2)
 
 
