@@ -29,6 +29,7 @@ Simplifications:
 7. On CPU, VLLMEngine sizes the KV cache to the need (cpu_kv_cache_bytes) and runs the one op vLLM's sampler
    compiles (the sampled token's rank, unused here) eagerly, for the whole process: 6-7 s less start-up.
 """
+import gc
 import inspect
 import itertools
 import logging
@@ -184,6 +185,7 @@ class VLLMEngine(Engine):
         llm_kwargs.setdefault("enforce_eager", not torch.cuda.is_available())  # CPU: compiling only slows start-up
         llm_kwargs.setdefault("use_tqdm_on_load", False)  # a one-shard bar, before the trainer's first line
         self.seed, self.calls, threads, set_num_threads = seed, 0, torch.get_num_threads(), torch.set_num_threads
+        gc.freeze()  # vLLM freezes the GC heap after its start-up anyway: first, spare its 5 full collections our heap
         with private_rng(seed):  # LLM(seed=...) reseeds the global RNGs (random, numpy, torch): keep ours
             self.llm = LLM(model=model_path, seed=seed, dtype=dtype, max_model_len=max_model_len,
                            gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
@@ -196,9 +198,7 @@ class VLLMEngine(Engine):
 
     def sample(self, prompt_ids, n, max_new_tokens, rng_seed, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0,
                repetition_penalty=1.0):
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
+        from vllm import SamplingParams, TokensPrompt
         params = SamplingParams(n=n, max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, min_p=min_p,
                                 top_k=max(top_k or 0, 0), repetition_penalty=repetition_penalty,
                                 logprobs=0, detokenize=False)  # only the sampled token's logprob; we decode later
