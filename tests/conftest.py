@@ -18,6 +18,20 @@ torch.set_num_threads(1)
 import pytest  # noqa: E402
 
 
+def pytest_configure(config):
+    """Once per session (the xdist controller, or the only process): zygote.py's warm servers, which the test
+    subprocesses fork from instead of importing torch, transformers and vLLM again (TINYGRPO_TEST_ZYGOTE=0: cold)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ and os.environ.get("TINYGRPO_TEST_ZYGOTE", "1") != "0" \
+            and "TINYGRPO_ZYGOTE_VLLM" not in os.environ:
+        from helpers import start_zygotes
+        config.stop_zygotes = start_zygotes()
+
+
+def pytest_unconfigure(config):
+    if hasattr(config, "stop_zygotes"):
+        config.stop_zygotes()
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(model folder, trainer model, tokenizer, prompt ids): task.py's tied-embedding tiny Qwen2 (head_dim 32)."""

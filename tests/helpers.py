@@ -3,8 +3,10 @@ argument parser, in-process, to test flag ranges in milliseconds."""
 import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ["739>", "12>", "5>", "8086>"]  # different lengths: left padding (HF) must not shift anything
@@ -12,11 +14,40 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "
        "TOKENIZERS_PARALLELISM": "false"}
 
 
+ZYGOTE = os.path.join(ROOT, "tests", "zygote.py")
+
+
+def start_zygotes():
+    """Start zygote.py's two warm servers ("base", "vllm") and export their sockets to this process's environment,
+    which the pytest workers inherit (conftest.py, once per session) -> a function that stops them."""
+    folder = tempfile.mkdtemp(prefix="tgz")  # short: a socket path has at most 107 bytes
+    log, procs = open(os.path.join(folder, "server.log"), "w"), []
+    for kind in ("base", "vllm"):
+        procs.append(subprocess.Popen([sys.executable, ZYGOTE, "serve", os.path.join(folder, kind), kind], cwd=ROOT,
+                                      env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "tests")},
+                                      stdin=subprocess.DEVNULL, stdout=log, stderr=log))
+        os.environ[f"TINYGRPO_ZYGOTE_{kind.upper()}"] = os.path.join(folder, kind)
+    return lambda: ([p.kill() for p in procs], [p.wait() for p in procs], log.close(), shutil.rmtree(folder, True))
+
+
+def zygote_env():
+    """The warm servers' sockets, or {} when there are none (TINYGRPO_TEST_ZYGOTE=0)."""
+    return {k: v for k, v in os.environ.items() if k.startswith("TINYGRPO_ZYGOTE_")}
+
+
+def script_cmd(script, nproc, env=None, cold=False):
+    """-> (command, env to add): `python script` or torchrun's, through a warm server (zygote.py) unless cold or env
+    overrides PYTHONPATH (zygote.py's simplification 1)."""
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    f"--nproc_per_node={nproc}"]
+    warm = zygote_env() if not cold and "PYTHONPATH" not in (env or {}) else {}
+    return launcher + ([ZYGOTE] if warm else []) + [script], warm
+
+
 def run_two_rank_script(script, *args, timeout=300):
     """Run a test file as a 2-rank torchrun script; fail with its output unless both ranks print 'rank N PASS'."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.abspath(script), *map(str, args)]
-    proc = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    cmd, warm = script_cmd(os.path.abspath(script), 2)
+    proc = subprocess.run(cmd + list(map(str, args)), env={**ENV, **warm}, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     log = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, log
     assert "rank 0 PASS" in proc.stdout and "rank 1 PASS" in proc.stdout, log
@@ -25,10 +56,9 @@ def run_two_rank_script(script, *args, timeout=300):
 def run_train(args, out_dir, nproc=1, timeout=300, env=None, check=True):
     """-> (returncode, combined output, metrics records). Fails the test with the output on a non-zero exit
     when check=True."""
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    f"--nproc_per_node={nproc}"]
-    cmd = launcher + [os.path.join(ROOT, "train.py"), "--out-dir", str(out_dir), *map(str, args)]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "tests"), **(env or {})}
+    cmd, warm = script_cmd(os.path.join(ROOT, "train.py"), nproc, env)
+    cmd += ["--out-dir", str(out_dir), *map(str, args)]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "tests"), **warm, **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     output = proc.stdout + proc.stderr
     if check and proc.returncode != 0:

@@ -13,7 +13,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from helpers import ROOT, read_metrics, run_train, without_timings
+from helpers import ROOT, read_metrics, run_train, script_cmd, without_timings
 
 ARGS = ["--engine", "hf", "--steps", "10", "--save-every", "2", "--eval-every", "3", "--eval-size", "16",
         "--prompts-per-step", "8"]
@@ -21,12 +21,12 @@ ARGS = ["--engine", "hf", "--steps", "10", "--save-every", "2", "--eval-every", 
 
 def start_and_kill(out_dir, nproc, kill_after_step, extra=()):
     """Start a run and SIGKILL it, torchrun agent and workers alike, once `kill_after_step` is logged."""
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    f"--nproc_per_node={nproc}"]
-    proc = subprocess.Popen(launcher + [os.path.join(ROOT, "train.py"), "--out-dir", str(out_dir), *ARGS, *extra],
-                            cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd, warm = script_cmd(os.path.join(ROOT, "train.py"), nproc)
+    pids = out_dir.parent / f"{out_dir.name}_pids"  # zygote.py: worker pid by client pid, when warm
+    pids.mkdir()
+    proc = subprocess.Popen(cmd + ["--out-dir", str(out_dir), *ARGS, *extra], cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **warm, "TINYGRPO_ZYGOTE_PIDS": str(pids)},
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
         if any(r["step"] >= kill_after_step for r in read_metrics(out_dir)):
@@ -34,6 +34,7 @@ def start_and_kill(out_dir, nproc, kill_after_step, extra=()):
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before it could be killed"
     victims = [proc.pid] + descendants(proc.pid)  # torchrun starts each worker in a session of its own
+    victims += [int(open(pids / str(pid)).read()) for pid in victims if os.path.exists(pids / str(pid))]
     for pid in victims:
         os.kill(pid, signal.SIGSTOP)  # freeze all first, so none runs on while the others die
     for pid in victims:

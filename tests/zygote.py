@@ -1,0 +1,213 @@
+"""Start train.py (or a test script) in a process forked from a warm interpreter instead of a cold `python`: the
+suite runs ~90 of them, and each cold start re-imports torch, transformers and vLLM (7-12 s of a 2-core machine).
+
+    python tests/zygote.py serve SOCKET vllm|base   # conftest.py starts the two, once per pytest session
+    python tests/zygote.py SCRIPT ARGS...           # the client: run SCRIPT as `python SCRIPT ARGS...` would
+
+The client is what the launcher (pytest, or torchrun per rank) starts. It hands its stdin/stdout/stderr, argv, cwd and
+environment to the server; the server forks a monitor, the monitor forks the worker, which takes the client's stdio,
+environment, argv and cwd and runs SCRIPT as __main__. Signals sent to the client (torchrun's SIGTERM on a
+failed rank) are forwarded to the worker; if the client dies the worker is SIGKILLed; the client exits as the worker
+did (same code, or the same signal). So torchrun, the exit codes and the output are the real ones.
+
+Where it differs from a cold start (tests that depend on one of these start their process cold: helpers.script_cmd):
+1. Third-party modules are imported before the worker's environment is set: an env var they read at import time
+   (PYTHONPATH, vLLM's log level) has the server's value. run_train goes cold when its env overrides PYTHONPATH.
+   Our own modules are not preloaded (common.py reads RANK at import): each worker imports them.
+2. The "vllm" server has vLLM imported; a run with --engine hf (or --vllm-url) goes to the "base" server, which
+   has not, so vLLM's import-time side effects stay out of HF runs as in a cold start.
+3. Every worker shares the server's str-hash seed. random and numpy's global RNGs are reseeded from the OS.
+4. The process's command line (/proc/PID/cmdline) is the server's, not `python train.py`, and its parent is its
+   monitor, not the launcher (common.py's launcher watch; a SIGSTOP to the client stops only the client).
+Set TINYGRPO_TEST_ZYGOTE=0 to run every test subprocess cold.
+"""
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+
+
+def recv_exactly(conn, size, maxfds=0):
+    data, fds, _, _ = socket.recv_fds(conn, size, maxfds)  # the fds come with the first bytes
+    while data and len(data) < size:
+        more = conn.recv(size - len(data))
+        if not more:
+            break
+        data += more
+    return data, fds
+
+
+# --- client -----------------------------------------------------------------------------------------------------------
+def client(argv):
+    kind = "base" if ("--engine" in argv and argv[argv.index("--engine") + 1] == "hf") or "--vllm-url" in argv \
+        else "vllm"
+    path = os.environ[f"TINYGRPO_ZYGOTE_{kind.upper()}"]
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    for _ in range(1200):  # the server may still be importing (conftest.py starts it with the session)
+        try:
+            conn.connect(path)
+            break
+        except (FileNotFoundError, ConnectionRefusedError):
+            import time
+            time.sleep(0.1)
+    else:
+        sys.exit(f"zygote: no server at {path}")
+    request = json.dumps(dict(argv=argv, cwd=os.getcwd(), env=dict(os.environ), unbuffered=sys.stdout.write_through))
+    socket.send_fds(conn, [struct.pack("!I", len(request)) + request.encode()], [0, 1, 2])
+    replies = conn.makefile("rb")  # JSON lines: the worker's pid, then how it ended
+    forwarded = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+    for sig in forwarded:
+        signal.signal(sig, lambda signum, frame: conn.sendall(struct.pack("!I", signum)))
+    pid = json.loads(replies.readline() or "null")
+    if pid and os.environ.get("TINYGRPO_ZYGOTE_PIDS"):  # for tests that kill a run: the worker's pid, by ours
+        with open(os.path.join(os.environ["TINYGRPO_ZYGOTE_PIDS"], str(os.getpid())), "w") as f:
+            f.write(str(pid))
+    line = replies.readline()
+    if not line:
+        sys.exit("zygote: the server went away")
+    status = json.loads(line)
+    if status["signal"]:  # die of the same signal, as the worker did
+        for sig in forwarded:
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), status["signal"])
+    os._exit(status["code"])
+
+
+# --- server -----------------------------------------------------------------------------------------------------------
+def preload(kind):
+    """Third-party modules only: ours read RANK and friends at import (common.py), so each worker imports them."""
+    import matplotlib
+    matplotlib.use("Agg")  # as plot.py
+    import matplotlib.pyplot  # noqa: F401
+    import numpy  # noqa: F401
+    import tokenizers  # noqa: F401
+    import torch  # noqa: F401
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.utils.checkpoint  # noqa: F401
+    import tqdm  # noqa: F401
+    import transformers  # noqa: F401
+    from transformers import (AutoModelForCausalLM, LlamaForCausalLM, PreTrainedTokenizerFast,  # noqa: F401
+                              Qwen2ForCausalLM)
+    if kind == "vllm":
+        try:
+            from vllm import LLM, SamplingParams, TokensPrompt  # noqa: F401
+            if not torch.cuda.is_available():  # what LLM() imports on CPU: 1.4 s of each engine's start-up
+                import vllm.model_executor.model_loader  # noqa: F401
+                import vllm.v1.worker.cpu_model_runner  # noqa: F401
+                import vllm.v1.worker.cpu_worker  # noqa: F401
+        except Exception:  # not installed or broken: the worker meets it as a cold start would
+            pass
+
+
+def serve(path, kind):
+    """Fork a monitor per client connection; returns (request, fds) only in a worker, which main() then runs."""
+    preload(kind)
+    parent = os.getppid()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # monitors are reaped by the kernel
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".tmp")
+    os.rename(path + ".tmp", path)  # clients connect only once it listens
+    listener.listen(64)
+    listener.settimeout(1.0)
+    while os.getppid() == parent:  # the pytest worker that started it is gone: stop
+        try:
+            conn, _ = listener.accept()
+        except socket.timeout:
+            continue
+        conn.settimeout(None)
+        if os.fork() == 0:
+            listener.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            try:
+                return monitor(conn)
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+                os._exit(1)
+        conn.close()
+    os.unlink(path)
+    sys.exit(0)
+
+
+def monitor(conn):
+    """Fork the worker (returning its request in it), forward the client's signals, report how the worker ended."""
+    size, fds = recv_exactly(conn, 4, maxfds=3)
+    request = json.loads(recv_exactly(conn, struct.unpack("!I", size)[0])[0])
+    pid = os.fork()
+    if pid == 0:
+        conn.close()
+        return request, fds
+    for fd in fds:
+        os.close(fd)
+    conn.sendall(b"%d\n" % pid)
+    import select
+    pidfd, client_gone = os.pidfd_open(pid), False
+    while True:
+        ready, _, _ = select.select([pidfd] + ([] if client_gone else [conn]), [], [])
+        if pidfd in ready:
+            break
+        data, _ = recv_exactly(conn, 4)
+        if len(data) == 4:
+            os.kill(pid, struct.unpack("!I", data)[0])
+        else:  # the client died (e.g. SIGKILLed by torchrun): so does its worker
+            client_gone = True
+            os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    if not client_gone:
+        sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
+        conn.sendall(json.dumps(dict(code=os.WEXITSTATUS(status) if not sig else 1, signal=sig)).encode() + b"\n")
+    os._exit(0)
+
+
+def worker(request, fds):
+    """Become `python SCRIPT ARGS...` and run SCRIPT; the interpreter then exits as that command would (exit code,
+    traceback, atexit, finalisation), since nothing of the server's is left on the stack."""
+    import builtins
+    import io
+    import random
+    import types
+
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    unbuffered = request["unbuffered"]
+    for name, fd in (("stdin", 0), ("stdout", 1), ("stderr", 2)):  # as a fresh interpreter builds them
+        old = getattr(sys, name)
+        if name == "stdin":
+            stream = io.TextIOWrapper(open(fd, "rb", closefd=False), encoding=old.encoding, errors=old.errors)
+        else:
+            raw = open(fd, "wb", buffering=0 if unbuffered else -1, closefd=False)
+            stream = io.TextIOWrapper(raw, encoding=old.encoding, errors=old.errors,
+                                      line_buffering=name == "stderr" or os.isatty(fd), write_through=unbuffered)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as Python sets it (BrokenPipeError instead)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    script = os.path.abspath(request["argv"][0])
+    sys.argv = list(request["argv"])
+    sys.path[0] = os.path.dirname(script)
+    main = types.ModuleType("__main__")  # not runpy.run_path's temporary module: the script's globals must live
+    main.__dict__.update(__file__=script, __builtins__=builtins, __cached__=None)  # until the interpreter's exit,
+    sys.modules["__main__"] = main  # as a cold start's (a DDP model freed earlier deadlocks in gloo's teardown)
+    with open(script, "rb") as f:
+        exec(compile(f.read(), script, "exec"), main.__dict__)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["serve"]:
+        worker(*serve(sys.argv[2], sys.argv[3]))
+    else:
+        client(sys.argv[1:])
