@@ -27,6 +27,7 @@ def start_zygotes():
                                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "tests")},
                                       stdin=subprocess.DEVNULL, stdout=log, stderr=log))
         os.environ[f"TINYGRPO_ZYGOTE_{kind.upper()}"] = os.path.join(folder, kind)
+    os.environ["TINYGRPO_ZYGOTE_PYTHONPATH"] = os.path.join(ROOT, "tests")  # theirs (zygote.py: simplification 2)
     return lambda: ([p.kill() for p in procs], [p.wait() for p in procs], log.close(), shutil.rmtree(folder, True))
 
 
@@ -35,12 +36,11 @@ def zygote_env():
     return {k: v for k, v in os.environ.items() if k.startswith("TINYGRPO_ZYGOTE_")}
 
 
-def script_cmd(script, nproc, env=None, cold=False):
-    """-> (command, env to add): `python script` or torchrun's, through a warm server (zygote.py) unless cold or env
-    overrides PYTHONPATH (zygote.py's simplification 1)."""
+def script_cmd(script, nproc, cold=False):
+    """-> (command, env to add): `python script` or torchrun's, through a warm server (zygote.py) unless cold."""
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     f"--nproc_per_node={nproc}"]
-    warm = zygote_env() if not cold and "PYTHONPATH" not in (env or {}) else {}
+    warm = {} if cold else zygote_env()
     return launcher + ([ZYGOTE] if warm else []) + [script], warm
 
 
@@ -56,7 +56,7 @@ def run_two_rank_script(script, *args, timeout=300):
 def run_train(args, out_dir, nproc=1, timeout=300, env=None, check=True):
     """-> (returncode, combined output, metrics records). Fails the test with the output on a non-zero exit
     when check=True."""
-    cmd, warm = script_cmd(os.path.join(ROOT, "train.py"), nproc, env)
+    cmd, warm = script_cmd(os.path.join(ROOT, "train.py"), nproc)
     cmd += ["--out-dir", str(out_dir), *map(str, args)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "tests"), **warm, **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)

@@ -41,7 +41,7 @@ def start_server(request, model_dir, tokenizer, log_path, *args, env=None, cold=
 
     port = free_port()
     log = open(log_path, "w")
-    cmd, warm = script_cmd(os.path.join(REPO, "server.py"), 1, env, cold=cold)
+    cmd, warm = script_cmd(os.path.join(REPO, "server.py"), 1, cold=cold)
     proc = subprocess.Popen(cmd + ["--model", model_dir, "--port", str(port), "--max-model-len", "64",  # dtype: the
                                    "--kv-cache-memory-bytes", str(16 << 20), *args],  # checkpoint's
                             env={**ENV, **warm, **(env or {})}, stdout=log, stderr=log)

@@ -12,10 +12,10 @@ did (same code, or the same signal). So torchrun, the exit codes and the output 
 
 Where it differs from a cold start (tests that depend on one of these start their process cold: helpers.script_cmd):
 1. Third-party modules are imported before the worker's environment is set: an env var they read at import time
-   (PYTHONPATH, vLLM's log level) has the server's value. run_train goes cold when its env overrides PYTHONPATH.
-   Our own modules are not preloaded (common.py reads RANK at import): each worker imports them.
-2. The "vllm" server has vLLM imported; a run with --engine hf (or --vllm-url) goes to the "base" server, which
-   has not, so vLLM's import-time side effects stay out of HF runs as in a cold start.
+   (vLLM's log level) has the server's value. Our own modules are not preloaded (common.py reads RANK at import):
+   each worker imports them. PYTHONPATH entries the server lacks go on sys.path after the script's folder.
+2. The "vllm" server has vLLM imported; a run with --engine hf, --vllm-url or a PYTHONPATH of its own (a fake vllm
+   module) goes to the "base" server, which has not, so vLLM's import-time side effects stay out as in a cold start.
 3. Every worker shares the server's str-hash seed. random and numpy's global RNGs are reseeded from the OS.
 4. The process's command line (/proc/PID/cmdline) is the server's, not `python train.py`, and its parent is its
    monitor, not the launcher (common.py's launcher watch; a SIGSTOP to the client stops only the client).
@@ -41,8 +41,10 @@ def recv_exactly(conn, size, maxfds=0):
 
 # --- client -----------------------------------------------------------------------------------------------------------
 def client(argv):
-    kind = "base" if ("--engine" in argv and argv[argv.index("--engine") + 1] == "hf") or "--vllm-url" in argv \
-        else "vllm"
+    paths = [os.environ.get(k, "").split(os.pathsep) for k in ("PYTHONPATH", "TINYGRPO_ZYGOTE_PYTHONPATH")]
+    own_path = bool(set(paths[0]) - set(paths[1]) - {""})  # e.g. a folder with a fake vllm module
+    hf = "--engine" in argv and argv[argv.index("--engine") + 1] == "hf"
+    kind = "base" if hf or "--vllm-url" in argv or own_path else "vllm"
     path = os.environ[f"TINYGRPO_ZYGOTE_{kind.upper()}"]
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     for _ in range(1200):  # the server may still be importing (conftest.py starts it with the session)
@@ -191,8 +193,10 @@ def worker(request, fds):
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as Python sets it (BrokenPipeError instead)
     os.chdir(request["cwd"])
+    served = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     os.environ.clear()
     os.environ.update(request["env"])
+    sys.path[1:1] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in served]
     random.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
