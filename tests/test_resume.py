@@ -3,6 +3,7 @@ run ends bit-identical to one that was never interrupted (weights and every logg
 Also: a damaged latest checkpoint is skipped for the one before; a second run on a live run's out-dir is refused
 on every rank; workers whose torchrun agent is killed stop on their own; a non-finite gradient stops the run with
 the step number and leaves the last good checkpoint. In-process checks of checkpoint.py: tests/test_checkpoint.py."""
+import fcntl
 import glob
 import os
 import signal
@@ -34,7 +35,9 @@ def start_and_kill(out_dir, nproc, kill_after_step, extra=()):
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before it could be killed"
     victims = [proc.pid] + descendants(proc.pid)  # torchrun starts each worker in a session of its own
-    victims += [int(open(pids / str(pid)).read()) for pid in victims if os.path.exists(pids / str(pid))]
+    workers = [int(open(pids / str(pid)).read()) for pid in victims if os.path.exists(pids / str(pid))]
+    assert len(workers) == (nproc if warm else 0), (victims, os.listdir(pids))
+    victims += workers
     for pid in victims:
         os.kill(pid, signal.SIGSTOP)  # freeze all first, so none runs on while the others die
     for pid in victims:
@@ -44,14 +47,25 @@ def start_and_kill(out_dir, nproc, kill_after_step, extra=()):
     while any(alive(pid) for pid in victims) and time.time() < deadline:
         time.sleep(0.05)
     assert not any(alive(pid) for pid in victims), "a process survived the kill"
+    lock = open(out_dir / "run.lock")  # the kernel has closed the run's files too: the next run may take it
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise AssertionError(f"run.lock still held after the kill: {victims}, {open('/proc/locks').read()}, "
+                             f"{os.stat(out_dir / 'run.lock').st_ino}") from None
+    lock.close()
 
 
 def alive(pid):
-    """Running, i.e. neither gone nor a zombie waiting to be reaped."""
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    """Running, i.e. neither gone nor a zombie: every thread (a leader can be a zombie while its other threads still
+    exit, holding the process's files, run.lock's flock included)."""
+    for stat in glob.glob(f"/proc/{pid}/task/*/stat"):
+        try:
+            if open(stat).read().rsplit(")", 1)[1].split()[0] != "Z":
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def descendants(pid):
