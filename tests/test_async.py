@@ -9,13 +9,12 @@ run with RemoteEngine's one line on every rank, in seconds. The last test kills 
 """
 import os
 import subprocess
-import sys
 import time
 
 import pytest
 from safetensors.torch import load_file
 
-from helpers import ROOT, read_metrics, run_train, without_timings
+from helpers import ROOT, read_metrics, run_train, script_cmd, without_timings
 from test_resume import start_and_kill
 from test_server import start_server
 
@@ -84,10 +83,10 @@ def test_two_ranks_fsdp_then_server_killed(server, tiny, tmp_path):
     proc, url = server
     log = tmp_path / "train.log"
     with open(log, "w") as f:
-        run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                                os.path.join(ROOT, "train.py"), "--out-dir", str(tmp_path / "out"), "--fsdp",
-                                *async_args(tiny, server, steps=100000)],  # would run on for hours
-                               cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=f, stderr=f)
+        cmd, warm = script_cmd(os.path.join(ROOT, "train.py"), 2)
+        run = subprocess.Popen(cmd + ["--out-dir", str(tmp_path / "out"), "--fsdp",
+                                      *async_args(tiny, server, steps=100000)],  # would run on for hours
+                               cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **warm}, stdout=f, stderr=f)
     deadline = time.time() + 180
     while time.time() < deadline and run.poll() is None and not any(r["step"] >= 4 for r in read_metrics(
             tmp_path / "out")):

@@ -43,7 +43,7 @@ def recv_exactly(conn, size, maxfds=0):
 def client(argv):
     paths = [os.environ.get(k, "").split(os.pathsep) for k in ("PYTHONPATH", "TINYGRPO_ZYGOTE_PYTHONPATH")]
     own_path = bool(set(paths[0]) - set(paths[1]) - {""})  # e.g. a folder with a fake vllm module
-    hf = "--engine" in argv and argv[argv.index("--engine") + 1] == "hf"
+    hf = [b for a, b in zip(argv, argv[1:]) if a == "--engine"][-1:] == ["hf"]  # argparse keeps the last one
     kind = "base" if hf or "--vllm-url" in argv or own_path else "vllm"
     path = os.environ[f"TINYGRPO_ZYGOTE_{kind.upper()}"]
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
