@@ -105,7 +105,7 @@ def preload(kind):
 
 
 def serve(path, kind):
-    """Fork a monitor per client connection; returns (request, fds) only in a worker, which main() then runs."""
+    """Fork a monitor per client connection; returns (request, fds) only in a worker, which __main__ runs."""
     preload(kind)
     parent = os.getppid()
     sys.stdout.flush()
@@ -113,10 +113,10 @@ def serve(path, kind):
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # monitors are reaped by the kernel
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
-    os.rename(path + ".tmp", path)  # clients connect only once it listens
     listener.listen(64)
+    os.rename(path + ".tmp", path)  # clients connect only once it listens
     listener.settimeout(1.0)
-    while os.getppid() == parent:  # the pytest worker that started it is gone: stop
+    while os.getppid() == parent:  # until the pytest session that started it is gone
         try:
             conn, _ = listener.accept()
         except socket.timeout:
