@@ -51,8 +51,7 @@ def start_and_kill(out_dir, nproc, kill_after_step, extra=()):
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise AssertionError(f"run.lock still held after the kill: {victims}, {open('/proc/locks').read()}, "
-                             f"{os.stat(out_dir / 'run.lock').st_ino}") from None
+        raise AssertionError(f"run.lock still held after killing {victims}:\n{open('/proc/locks').read()}") from None
     lock.close()
 
 

@@ -27,6 +27,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 
 
 def recv_exactly(conn, size, maxfds=0):
@@ -52,7 +53,6 @@ def client(argv):
             conn.connect(path)
             break
         except (FileNotFoundError, ConnectionRefusedError):
-            import time
             time.sleep(0.1)
     else:
         sys.exit(f"zygote: no server at {path}")
