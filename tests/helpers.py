@@ -37,11 +37,14 @@ def zygote_env():
 
 
 def script_cmd(script, nproc, cold=False):
-    """-> (command, env to add): `python script` or torchrun's, through a warm server (zygote.py) unless cold."""
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    f"--nproc_per_node={nproc}"]
+    """-> (command, env to add): `python script` or torchrun's, through a warm server (zygote.py) unless cold: the
+    script, and torchrun's agent too (its `import torch` is 2 s of CPU)."""
     warm = {} if cold else zygote_env()
-    return launcher + ([ZYGOTE] if warm else []) + [script], warm
+    python = [sys.executable, ZYGOTE] if warm else [sys.executable]  # how a process starts: warm or cold
+    if nproc == 1:
+        return python + [script], warm
+    torchrun = [*python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return torchrun + python[1:] + [script], warm  # (torchrun starts each rank with its own `python`)
 
 
 def run_two_rank_script(script, *args, timeout=300):

@@ -34,10 +34,13 @@ def start_and_kill(out_dir, nproc, kill_after_step, extra=()):
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before it could be killed"
-    victims = [proc.pid] + descendants(proc.pid)  # torchrun starts each worker in a session of its own
-    workers = [int(open(pids / str(pid)).read()) for pid in victims if os.path.exists(pids / str(pid))]
-    assert len(workers) == (nproc if warm else 0), (victims, os.listdir(pids))
-    victims += workers
+    victims, todo, workers = [], [proc.pid], 0  # torchrun starts each worker in a session of its own
+    while todo:  # every process below the launcher's, and each warm client's worker (zygote.py wrote its pid)
+        pid = todo.pop()
+        worker = [int(open(pids / str(pid)).read())] if os.path.exists(pids / str(pid)) else []
+        victims, workers = victims + [pid], workers + len(worker)
+        todo += [p for p in descendants(pid) + worker if p not in victims + todo]
+    assert workers == ((nproc + (nproc > 1)) if warm else 0), (victims, os.listdir(pids))  # ranks (+ torchrun)
     for pid in victims:
         os.kill(pid, signal.SIGSTOP)  # freeze all first, so none runs on while the others die
     for pid in victims:

@@ -1,5 +1,6 @@
 """zygote.py, the warm start of the suite's subprocesses, behaves as `python SCRIPT` would: exit code, output,
-traceback, argv, cwd, environment, a forwarded signal, and our own modules imported fresh (common.py reads RANK)."""
+traceback, argv, cwd, environment, `-m MODULE`, a forwarded signal, and our own modules imported fresh (common.py
+reads RANK)."""
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ SCRIPT = f"""
 import os, sys, time
 sys.path.insert(0, {ROOT!r})
 import common
+assert __name__ == "__main__"
 print("argv", sys.argv[1:], "cwd", os.getcwd(), "rank", common.rank, "env", os.environ.get("PROBE"), flush=True)
 print("to stderr", file=sys.stderr)
 if sys.argv[1] == "exit":
@@ -27,11 +29,12 @@ if sys.argv[1] == "sleep":
 """
 
 
-def run(tmp_path, *args, **popen):
+def run(tmp_path, *args, module=False, **popen):
     script = tmp_path / "probe.py"
     script.write_text(SCRIPT)
     cmd, warm = script_cmd(str(script), 1)
     assert warm and cmd[-2].endswith("zygote.py"), cmd
+    cmd = cmd[:-1] + ["-m", "probe"] if module else cmd  # `python -m probe`, found in the cwd
     args = [*args, "--engine", "hf"]  # to the "base" server (no vLLM: a quicker exit)
     return subprocess.Popen(cmd + args, cwd=tmp_path, env={**os.environ, **warm, "PROBE": "x", "RANK": "3",
                             "PYTHONPATH": os.path.join(ROOT, "tests")}, stdout=subprocess.PIPE,
@@ -46,6 +49,13 @@ def test_exit_code_output_and_traceback(tmp_path, args, code):
     assert out == f"argv {[*args, '--engine', 'hf']} cwd {tmp_path} rank 3 env x\n", out
     assert err.startswith("to stderr\n"), err
     assert ("KeyError: 'boom'" in err) == (args == ["raise"]), err
+
+
+def test_module_runs_as_main(tmp_path):
+    """`zygote.py -m MODULE` is `python -m MODULE`: how the suite starts torchrun's agent warm."""
+    proc = run(tmp_path, "exit", "3", module=True)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3 and out == f"argv ['exit', '3', '--engine', 'hf'] cwd {tmp_path} rank 3 env x\n", err
 
 
 def test_signal_reaches_the_script(tmp_path):

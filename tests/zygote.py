@@ -3,6 +3,7 @@ suite runs ~90 of them, and each cold start re-imports torch, transformers and v
 
     python tests/zygote.py serve SOCKET vllm|base   # conftest.py starts the two, once per pytest session
     python tests/zygote.py SCRIPT ARGS...           # the client: run SCRIPT as `python SCRIPT ARGS...` would
+    python tests/zygote.py -m MODULE ARGS...        # or `python -m MODULE ARGS...` (torchrun: its ranks' clients)
 
 The client is what the launcher (pytest, or torchrun per rank) starts. It hands its stdin/stdout/stderr, argv, cwd and
 environment to the server; the server forks a monitor, the monitor forks the worker, which takes the client's stdio,
@@ -18,7 +19,8 @@ Where it differs from a cold start (tests that depend on one of these start thei
    module) goes to the "base" server, which has not, so vLLM's import-time side effects stay out as in a cold start.
 3. Every worker shares the server's str-hash seed. random and numpy's global RNGs are reseeded from the OS.
 4. The process's command line (/proc/PID/cmdline) is the server's, not `python train.py`, and its parent is its
-   monitor, not the launcher (common.py's launcher watch; a SIGSTOP to the client stops only the client).
+   monitor, not the launcher (common.py's launcher watch; a SIGSTOP to the client stops only the client). Under
+   torchrun the agent is a warm worker too (helpers.script_cmd): its children are the ranks' clients.
 Set TINYGRPO_TEST_ZYGOTE=0 to run every test subprocess cold.
 """
 import json
@@ -45,7 +47,7 @@ def client(argv):
     paths = [os.environ.get(k, "").split(os.pathsep) for k in ("PYTHONPATH", "TINYGRPO_ZYGOTE_PYTHONPATH")]
     own_path = bool(set(paths[0]) - set(paths[1]) - {""})  # e.g. a folder with a fake vllm module
     hf = [b for a, b in zip(argv, argv[1:]) if a == "--engine"][-1:] == ["hf"]  # argparse keeps the last one
-    kind = "base" if hf or "--vllm-url" in argv or own_path else "vllm"
+    kind = "base" if hf or "--vllm-url" in argv or own_path or argv[0] == "-m" else "vllm"  # -m: torchrun's agent
     path = os.environ[f"TINYGRPO_ZYGOTE_{kind.upper()}"]
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     for _ in range(1200):  # the server may still be importing (conftest.py starts it with the session)
@@ -87,12 +89,16 @@ def preload(kind):
     import tokenizers  # noqa: F401
     import torch  # noqa: F401
     import torch.distributed.checkpoint.state_dict  # noqa: F401
+    import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend  # noqa: F401 (torchrun --standalone's)
     import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.run  # noqa: F401
     import torch.utils.checkpoint  # noqa: F401
     import tqdm  # noqa: F401
     import transformers  # noqa: F401
     from transformers import (AutoModelForCausalLM, LlamaForCausalLM, PreTrainedTokenizerFast,  # noqa: F401
                               Qwen2ForCausalLM)
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    get_checkpoint_conversion_mapping("qwen2")  # a cache built at the first save or load: 0.2 s of each run
     if kind == "vllm":
         try:
             from vllm import LLM, SamplingParams, TokensPrompt  # noqa: F401
@@ -200,6 +206,10 @@ def worker(request, fds):
     random.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
+    if request["argv"][0] == "-m":  # as `python -m MODULE`: cwd first on sys.path, __main__ the module's
+        import runpy
+        sys.argv, sys.path[0] = request["argv"][1:], os.getcwd()
+        return runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
     script = os.path.abspath(request["argv"][0])
     sys.argv = list(request["argv"])
     sys.path[0] = os.path.dirname(script)
