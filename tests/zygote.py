@@ -94,7 +94,7 @@ def preload(kind):
     import torch.distributed.checkpoint.state_dict  # noqa: F401
     import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend  # noqa: F401 (torchrun --standalone's)
     import torch.distributed.fsdp  # noqa: F401
-    import torch.distributed.run  # noqa: F401
+    import torch.distributed.launcher.api  # noqa: F401 (torchrun's, itself run as __main__ by a worker)
     import torch.utils.checkpoint  # noqa: F401
     import tqdm  # noqa: F401
     import transformers  # noqa: F401
