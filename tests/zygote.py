@@ -1,5 +1,5 @@
 """Start train.py (or a test script) in a process forked from a warm interpreter instead of a cold `python`: the
-suite runs ~90 of them, and each cold start re-imports torch, transformers and vLLM (7-12 s of a 2-core machine).
+suite runs ~110 of them, and each cold start re-imports torch, transformers and vLLM (7-12 s of a 2-core machine).
 
     python tests/zygote.py serve SOCKET vllm|base   # conftest.py starts the two, once per pytest session
     python tests/zygote.py SCRIPT ARGS...           # the client: run SCRIPT as `python SCRIPT ARGS...` would
