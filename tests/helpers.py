@@ -50,7 +50,8 @@ def script_cmd(script, nproc, cold=False):
 def run_two_rank_script(script, *args, timeout=300):
     """Run a test file as a 2-rank torchrun script; fail with its output unless both ranks print 'rank N PASS'."""
     cmd, warm = script_cmd(os.path.abspath(script), 2)
-    proc = subprocess.run(cmd + list(map(str, args)), env={**ENV, **warm}, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd + list(map(str, args)), env={**ENV, **warm}, cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
     log = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, log
     assert "rank 0 PASS" in proc.stdout and "rank 1 PASS" in proc.stdout, log

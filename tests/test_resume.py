@@ -34,12 +34,14 @@ def start_and_kill(out_dir, nproc, kill_after_step, extra=()):
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before it could be killed"
-    victims, todo, workers = [], [proc.pid], 0  # torchrun starts each worker in a session of its own
-    while todo:  # every process below the launcher's, and each warm client's worker (zygote.py wrote its pid)
-        pid = todo.pop()
-        worker = [int(open(pids / str(pid)).read())] if os.path.exists(pids / str(pid)) else []
-        victims, workers = victims + [pid], workers + len(worker)
-        todo += [p for p in descendants(pid) + worker if p not in victims + todo]
+    victims, roots, workers = [], [proc.pid], 0  # torchrun starts each worker in a session of its own
+    while roots:  # the launcher and all below it; a warm client's worker (zygote.py wrote its pid) and all below it
+        root = roots.pop()
+        for pid in [root] + descendants(root):
+            victims.append(pid)
+            if os.path.exists(pids / str(pid)):
+                roots.append(int(open(pids / str(pid)).read()))
+                workers += 1
     assert workers == ((nproc + (nproc > 1)) if warm else 0), (victims, os.listdir(pids))  # ranks (+ torchrun)
     for pid in victims:
         os.kill(pid, signal.SIGSTOP)  # freeze all first, so none runs on while the others die

@@ -214,7 +214,8 @@ def worker(request, fds):
     if request["argv"][0] == "-m":  # as `python -m MODULE`: cwd first on sys.path, __main__ the module's
         import runpy
         sys.argv, sys.path[0] = request["argv"][1:], os.getcwd()
-        return runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+        return
     script = os.path.abspath(request["argv"][0])
     sys.argv = list(request["argv"])
     sys.path[0] = os.path.dirname(script)
