@@ -1,8 +1,8 @@
 """
-Plot a run's metrics.jsonl: reward, held-out accuracy (and pass@k with --eval-samples), KL and completion length
-against step.
+Plot a run's metrics.jsonl: reward, held-out accuracy (and pass@k with --eval-samples), KL and
+completion length against step.
 
-    python plot.py out            # writes out/metrics.png (train.py also does this at the end of a run)
+    python plot.py out    # writes out/metrics.png (train.py also does this at the end of a run)
 
 matplotlib is an optional dependency: train.py skips the plot, with a note, when it is missing.
 """
@@ -20,14 +20,18 @@ def plot_metrics(metrics_path, png_path=None):
     records = [json.loads(line) for line in open(metrics_path)]
     png_path = png_path or os.path.join(os.path.dirname(metrics_path), "metrics.png")
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.5))
-    passes = sorted({k for r in records for k in r if k.startswith("pass@")}, key=lambda k: int(k[5:]))  # pass@1, ..
-    panels = [("reward", ["reward_mean"]), ("held-out accuracy", ["eval_greedy", "eval_sampled", *passes]),
-              ("KL to reference", ["kl"]), ("completion length (tokens)", ["len_mean"])]
+    logged = {k for r in records for k in r if k.startswith("pass@")}
+    passes = sorted(logged, key=lambda k: int(k[5:]))  # pass@1, pass@2, ... in the order of k
+    panels = [("reward", ["reward_mean"]),
+              ("held-out accuracy", ["eval_greedy", "eval_sampled", *passes]),
+              ("KL to reference", ["kl"]),
+              ("completion length (tokens)", ["len_mean"])]
     for ax, (title, keys) in zip(axes, panels):
         for key in keys:
             points = [(r["step"], r[key]) for r in records if key in r]
             if points:
-                ax.plot(*zip(*points), marker="o" if key.startswith(("eval", "pass@")) else None, label=key)
+                marker = "o" if key.startswith(("eval", "pass@")) else None
+                ax.plot(*zip(*points), marker=marker, label=key)
         if not ax.lines:
             note = "not logged (needs --beta > 0)" if keys == ["kl"] else "not logged"
             ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes)

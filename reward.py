@@ -1,43 +1,26 @@
-"""Rule rewards: score each completion, one float (or None) per completion per function.
+"""Reward functions: one float, or None (no opinion), per completion and function.
 
-Contract (the same as TRL's GRPOTrainer): a reward function is
-    fn(completions, **columns) -> list[float | None]
-called once per batch with keywords: completions (N strings, or N conversations
-[{"role": "assistant", "content": ...}]), prompts, completion_ids (N lists of token ids) and every
-other dataset column (e.g. solution), each a list of N. None means "no opinion on this sample"
-(e.g. the gold answer does not parse): advantage.py skips it instead of counting it as 0.
-compute_rewards stacks the F functions into an (N, F) tensor, NaN where a function said None. It calls each
-function in a worker thread with a time limit (train.py --reward-timeout): a function that hangs, raises, or exits
-(SystemExit, KeyboardInterrupt) ends the run with its name, on every rank, instead of a hang or a silent exit.
-
-Built-ins (REWARD_FUNCS, picked by name on the command line):
-    accuracy_reward            1 if math-verify finds the answer equal to the gold, else 0
-    reasoning_accuracy_reward  the same on the text after the reasoning block; 0 if it never closes
-    think_format_reward        1 if the completion is "<think>...</think>answer", else 0
-    exact_match_reward         1 if the stripped completion equals the stripped gold (the synthetic task)
-    code_reward                fraction of the sample's unit tests (column `tests`) that its last ```python
-                               block passes, run in a sandbox (sandbox.py)
-and the factory get_soft_overlong_punishment(L_max, L_cache), DAPO (arXiv 2503.14476) eq. 13:
-    R(y) = 0 if |y| <= L_max - L_cache;  (L_max - L_cache - |y|) / L_cache if |y| <= L_max;  -1 beyond.
-
-pass_at_k(n, c, k) is the evaluation's unbiased pass@k estimate (train.py --eval-samples, --eval-k).
-
-A learned reward model is a reward function too: get_reward_model_func(path) scores prompt + completion
-with an AutoModelForSequenceClassification of one label (its logit is the reward).
+The contract is TRL GRPOTrainer's: fn(completions, **columns) -> list[float | None], called once
+per batch with completions (N strings, or N conversations [{"role": "assistant", "content": ...}]),
+prompts, completion_ids (N lists of token ids) and every other dataset column, each a list of N.
+compute_rewards stacks F of them into (N, F), NaN for None (advantage.py skips it), each run in a
+thread under --reward-timeout; score does it for a rollout and stops every rank if one fails.
+Built-ins, by name (REWARD_FUNCS): accuracy_reward and reasoning_accuracy_reward (math-verify),
+think_format_reward, exact_match_reward and code_reward (sandbox.py). Factories:
+get_soft_overlong_punishment (DAPO) and get_reward_model_func (a learned reward model).
 
 Run the tests: python -m pytest -q tests/test_reward.py tests/test_data.py
 
 Simplifications:
 1. A conversation is scored by the content of its last message.
-2. math-verify parses with its default extraction (LaTeX, \\boxed{} first, then plain expressions),
-   so "The answer is 1,234." counts like \\boxed{1234}; TRL's accuracy_reward accepts only LaTeX.
-3. math-verify's timeouts use SIGALRM, which only the main thread can set: off the main thread (compute_rewards
-   runs every reward in a worker thread) math-verify runs without its own timeouts, as TRL's does off the main
-   thread, and the reward's time limit (--reward-timeout) bounds the whole call instead.
-4. math-verify extracts no number glued to ">" ("</think>72" reads like "x>72"): for thinking models
-   use reasoning_accuracy_reward, which scores only the text after "</think>".
-5. A reward model sees the dataset's prompt (the question, as in TRL), not the policy's rendered text,
-   and scores are not truncated: prompt + completion must fit its context.
+2. math-verify's default extraction (LaTeX, \\boxed{} first, then plain expressions): "The answer
+   is 1,234." counts like \\boxed{1234}; TRL accepts only LaTeX.
+3. math-verify's timeouts use SIGALRM, main thread only: the worker thread runs it without them
+   (as TRL's does), and --reward-timeout bounds the whole call instead.
+4. math-verify extracts no number glued to ">" ("</think>72" reads like "x>72"): for thinking
+   models use reasoning_accuracy_reward.
+5. A reward model sees the dataset's prompt (as in TRL), not the policy's rendered text, and
+   nothing is truncated: prompt + completion must fit its context.
 """
 import functools
 import importlib
@@ -50,6 +33,7 @@ import threading
 
 import torch
 
+from common import all_ranks_ok, fail
 from sandbox import code_reward
 
 
@@ -59,28 +43,25 @@ def _text(completion):
         return completion
     if isinstance(completion, (list, tuple)) and completion and isinstance(completion[-1], dict):
         return completion[-1].get("content") or ""
-    raise TypeError(f"a completion must be a string or a list of {{'role', 'content'}} messages, got {completion!r:.80}")
+    raise TypeError("a completion must be a string or a list of {'role', 'content'} messages, "
+                    f"got {completion!r:.80}")
 
 
 def _timeouts():
-    """math-verify's timeouts: its defaults on the main thread, none elsewhere (signal.alarm raises off the main
-    thread, inside parse, or inside verify where _score would turn it into a silent None)."""
+    """math-verify's (parse, verify) keywords: its own timeouts on the main thread only."""
     main = threading.current_thread() is threading.main_thread()
-    if not main:  # else math-verify warns on every call that its timeout is off: intended (simplification 3)
+    if not main:  # else math-verify warns on every call that its timeouts are off
         for name in ("math_verify.parser", "math_verify.grader"):
             logging.getLogger(name).setLevel(logging.ERROR)
     return (dict(), dict()) if main else (dict(parsing_timeout=None), dict(timeout_seconds=None))
 
 
-@functools.lru_cache(maxsize=4096)  # each gold repeats G times in a batch (parsed objects are thread-safe to share)
+@functools.lru_cache(maxsize=4096)  # each gold repeats G times in a batch
 def _parse_gold(solution):
-    # GSM8K golds are "<worked solution with <<48/2=24>> calculator notes>\n#### 1,234". math-verify
-    # knows no "####": on the whole text it picks a number by its own ranking (for "#### 10\nnote: 5
-    # were red" it picks 5) after parsing every step. Keep only the rest of the marker's line, as
-    # math-verify's own GSM8K task does (math_verify/tasks.py splits on "####").
+    # GSM8K: only the line after "####", as math_verify/tasks.py does (else it picks its own number)
     if "####" in solution:
         solution = solution.split("####")[-1].strip().split("\n")[0]
-    from math_verify import parse  # here, not at the top: sympy costs every run ~1 s of start-up
+    from math_verify import parse  # here, not at the top: sympy costs ~1 s of start-up
     return parse(solution.strip(), **_timeouts()[0])
 
 
@@ -95,11 +76,12 @@ def _score(solution, answer_text):
     from math_verify import parse, verify
     try:
         return float(verify(gold, parse(answer_text, **parse_kw), **verify_kw))
-    except Exception:  # a comparison math-verify cannot do (timeout, sympy error): no opinion
+    except Exception:  # a timeout, a sympy error: no opinion
         return None
 
 
 def accuracy_reward(completions, solution, **kw):
+    """math-verify: 1.0 if the answer equals the gold, else 0.0; None if the gold does not parse."""
     return [_score(sol, _text(c)) for c, sol in zip(completions, solution, strict=True)]
 
 
@@ -121,26 +103,21 @@ _THINK = re.compile(r"\s*<think>(.*?)</think>(.*)", re.DOTALL)
 
 
 def think_format_reward(completions, **kw):
-    """1.0 iff the completion is one complete <think>...</think> block, then a non-empty answer
-    with no further think tags.
-
-    Against TRL's think_format_reward (re.match of r"^<think>(?!.*<think>)(.*?)</think>.*$", DOTALL):
-    - leading whitespace before <think> passes here (chat templates and models often open with a newline);
-      TRL wants <think> as the very first characters: looser here.
-    - an empty answer ("<think>...</think>" and nothing, or only whitespace) scores 0 here, 1 in TRL: the R1
-      format is reasoning *then* an answer, and rewarding the bare block pays for never answering. Stricter.
-    - a stray "</think>" after the block scores 0 here, 1 in TRL (its lazy (.*?) stops at the first
-      "</think>" and ".*" takes the rest): the answer would start mid-reasoning. Stricter.
-    - a second "<think>" anywhere after the first scores 0 in both."""
+    """1.0 iff the completion is one <think>...</think> block, then a non-empty answer with no
+    more think tags. Unlike TRL's r"^<think>(?!.*<think>)(.*?)</think>.*$", leading whitespace
+    passes (templates often open with a newline), and an empty answer (the bare block would pay
+    for never answering) or a stray "</think>" after the block (mid-reasoning) scores 0."""
     rewards = []
     for c in completions:
         m = _THINK.fullmatch(_text(c))
-        ok = m is not None and "<think>" not in m[1] and re.search(r"</?think>", m[2]) is None and m[2].strip() != ""
+        ok = (m is not None and "<think>" not in m[1] and re.search(r"</?think>", m[2]) is None
+              and m[2].strip() != "")
         rewards.append(float(ok))
     return rewards
 
 
 def exact_match_reward(completions, solution, **kw):
+    """1.0 if the stripped completion equals the stripped gold (the synthetic task), else 0.0."""
     return [None if sol is None else float(_text(c).strip() == str(sol).strip())
             for c, sol in zip(completions, solution, strict=True)]
 
@@ -149,49 +126,56 @@ def get_soft_overlong_punishment(max_completion_len, soft_punish_cache):
     """DAPO's soft overlong punishment (eq. 13) on completion token counts: 0 up to
     L_max - L_cache tokens, then a linear ramp down to -1 at L_max, -1 beyond."""
     if not 0 < soft_punish_cache <= max_completion_len:
-        raise ValueError(f"need 0 < soft_punish_cache <= max_completion_len, got {soft_punish_cache} "
-                         f"and {max_completion_len}")
+        raise ValueError(f"need 0 < soft_punish_cache <= max_completion_len, got "
+                         f"{soft_punish_cache} and {max_completion_len}")
     free = max_completion_len - soft_punish_cache
 
+    def punishment(n):
+        if n <= free:
+            return 0.0
+        if n > max_completion_len:
+            return -1.0
+        return (free - n) / soft_punish_cache
+
     def soft_overlong_punishment(completions, completion_ids, **kw):
-        return [0.0 if len(ids) <= free else -1.0 if len(ids) > max_completion_len
-                else (free - len(ids)) / soft_punish_cache for ids in completion_ids]
+        return [punishment(len(ids)) for ids in completion_ids]
     return soft_overlong_punishment
 
 
-REWARD_FUNCS = {fn.__name__: fn for fn in (accuracy_reward, reasoning_accuracy_reward, think_format_reward,
-                                           exact_match_reward, code_reward)}
+REWARD_FUNCS = {fn.__name__: fn for fn in (accuracy_reward, reasoning_accuracy_reward,
+                                           think_format_reward, exact_match_reward, code_reward)}
 
 
 def get_reward_model_func(path, *, batch_size=16, device=None):
-    """A sequence-classification model with one label (hub id or local folder) -> a reward function
-    that scores prompt + completion: through the model's chat template when its tokenizer has one (the
-    prompt as user turn, the completion as assistant turn), else their plain concatenation."""
+    """A one-label sequence-classification model (hub id or folder) -> a reward function on
+    prompt + completion: as user and assistant turns of its chat template, else concatenated."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForSequenceClassification.from_pretrained(path).to(device).eval().requires_grad_(False)
+    model = AutoModelForSequenceClassification.from_pretrained(path)
+    model = model.to(device).eval().requires_grad_(False)
     if model.config.num_labels != 1:
-        raise ValueError(f"reward model {path!r} has {model.config.num_labels} labels; a reward model needs 1")
-    if tokenizer.pad_token is None:  # batching needs one; HF pools the last non-pad token (modeling_layers.py)
+        raise ValueError(f"reward model {path!r} has {model.config.num_labels} labels; "
+                         f"a reward model needs 1")
+    if tokenizer.pad_token is None:  # batching needs one; HF pools the last non-pad token
         tokenizer.pad_token = tokenizer.eos_token
     model.config.pad_token_id = tokenizer.pad_token_id
-    tokenizer.padding_side = "right"  # real tokens keep positions 0..L-1, for absolute position embeddings too
+    tokenizer.padding_side = "right"  # real tokens keep positions 0..L-1
 
     def render(prompt, completion):
         if not tokenizer.chat_template:
             return _text(prompt) + _text(completion)
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        messages = messages + [{"role": "assistant", "content": _text(completion)}]
-        return tokenizer.apply_chat_template(messages, tokenize=False)
+        turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        turns = turns + [{"role": "assistant", "content": _text(completion)}]
+        return tokenizer.apply_chat_template(turns, tokenize=False)
 
     @torch.no_grad()
     def reward_model(completions, prompts, **kw):
         texts = [render(p, c) for p, c in zip(prompts, completions, strict=True)]
         scores = []
         for i in range(0, len(texts), batch_size):
-            # a rendered template holds its own BOS: add no second one (see task.encode_prompts)
+            # a rendered template holds its own BOS: add no second one (see data.encode_prompts)
             batch = tokenizer(texts[i:i + batch_size], padding=True, return_tensors="pt",
                               add_special_tokens=not tokenizer.chat_template).to(device)
             scores += model(**batch).logits[:, 0].float().tolist()  # (b,)
@@ -201,9 +185,8 @@ def get_reward_model_func(path, *, batch_size=16, device=None):
 
 
 def get_reward_funcs(names):
-    """Names (a list, or one comma-separated string) -> functions. Each name is, checked in this order:
-    a built-in; an existing local folder, or any name with a "/" (a hub id like org/name): a reward
-    model; a dotted import path like my_pkg.rewards.fn. A function passes through unchanged."""
+    """Names (a list, or one comma-separated string) -> functions: a built-in, else a reward model
+    (a folder, or a hub id: any name with "/"), else a dotted import path; functions pass as is."""
     if isinstance(names, str):
         names = [n.strip() for n in names.split(",") if n.strip()]
     funcs = []
@@ -215,9 +198,10 @@ def get_reward_funcs(names):
         if fn is None and (os.path.isdir(name) or "/" in name):
             try:
                 fn = get_reward_model_func(name)
-            except OSError as e:  # transformers: not a local model folder, and not found on the hub
-                raise ValueError(f"reward model {name!r}: cannot load it as a sequence-classification model "
-                                 f"from a local folder or the hub ({e})") from e
+            except OSError as e:  # not a local model folder, and not found on the hub
+                raise ValueError(f"reward model {name!r}: cannot load it as a sequence-"
+                                 f"classification model from a local folder or the hub "
+                                 f"({e})") from e
         elif fn is None and "." in name:
             module, _, attr = name.rpartition(".")
             try:
@@ -225,8 +209,9 @@ def get_reward_funcs(names):
             except (ImportError, AttributeError) as e:
                 raise ValueError(f"reward function {name!r}: cannot import it ({e})") from e
         if fn is None:
-            raise ValueError(f"unknown reward function {name!r}: use one of {sorted(REWARD_FUNCS)}, a dotted "
-                             f"import path like my_pkg.rewards.fn, or a reward model folder or hub id (org/name)")
+            raise ValueError(f"unknown reward function {name!r}: use one of "
+                             f"{sorted(REWARD_FUNCS)}, a dotted import path like "
+                             f"my_pkg.rewards.fn, or a reward model folder or hub id (org/name)")
         if not callable(fn):
             raise ValueError(f"reward function {name!r} is a {type(fn).__name__}, not a function")
         funcs.append(fn)
@@ -234,58 +219,82 @@ def get_reward_funcs(names):
 
 
 def _call(fn, name, timeout, kwargs):
-    """fn(**kwargs) in a daemon thread, waited on for timeout seconds (None: forever): a function that hangs can
-    neither hold the run nor block its exit, and one that exits (SystemExit, KeyboardInterrupt: any BaseException)
-    is reported by name instead of ending the run without a word."""
+    """fn(**kwargs) in a daemon thread, for at most timeout seconds (None: forever): a hang cannot
+    block the exit, and an exit (SystemExit: any BaseException) is reported with fn's name."""
     result = {}
 
     def run():
         try:
             result["values"] = fn(**kwargs)
-        except BaseException as e:  # SystemExit in a thread would end only the thread, silently
+        except BaseException as e:  # SystemExit would end only the thread, silently
             result["error"] = e
     worker = threading.Thread(target=run, name=f"reward {name}", daemon=True)
     worker.start()
     worker.join(timeout)
     if worker.is_alive():
-        raise RuntimeError(f"reward function {name} did not return within {timeout:g} s: make it faster, or raise "
-                           f"--reward-timeout")
+        raise RuntimeError(f"reward function {name} did not return within {timeout:g} s: "
+                           f"make it faster, or raise --reward-timeout")
     if "error" in result:
         e = result["error"]
         raise RuntimeError(f"reward function {name} raised {type(e).__name__}: {e}") from e
     return result["values"]
 
 
-FLOAT32_MAX = torch.finfo(torch.float32).max  # a larger reward would be inf in the (N, F) tensor
+FLOAT32_MAX = torch.finfo(torch.float32).max  # a larger reward is inf in float32
 
 
 def compute_rewards(funcs, prompts, completions, timeout=None, /, **columns):
-    """Call each function once on the batch, in a thread, for at most timeout seconds each -> rewards (N, F)
-    float32, NaN where it returned None. RuntimeError / ValueError naming the function when it fails."""
+    """Each function once on the batch, in a thread, for at most timeout seconds -> rewards (N, F)
+    float32, NaN where it said None. RuntimeError / ValueError naming a function that fails."""
     N = len(completions)
     rewards = torch.full((N, len(funcs)), math.nan)  # (N, F)
     for f, fn in enumerate(funcs):
         name = getattr(fn, "__name__", repr(fn))
         values = _call(fn, name, timeout, dict(prompts=prompts, completions=completions, **columns))
         if not isinstance(values, (list, tuple)) or len(values) != N:
-            got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"{values!r:.80}"
+            got = (f"{len(values)} values" if isinstance(values, (list, tuple))
+                   else f"{values!r:.80}")
             raise ValueError(f"reward function {name} must return a list of {N} floats or None "
                              f"(one per completion), returned {got}")
         for i, v in enumerate(values):
-            is_number = isinstance(v, numbers.Real) or (isinstance(v, torch.Tensor) and v.numel() == 1)
-            if v is not None and (not is_number or not abs(float(v)) <= FLOAT32_MAX):  # NaN, inf, 1e39 (float32)
+            scalar = isinstance(v, numbers.Real) or (isinstance(v, torch.Tensor) and v.numel() == 1)
+            # refuses NaN, inf and 1e39 (inf in float32)
+            if v is not None and (not scalar or not abs(float(v)) <= FLOAT32_MAX):
                 raise ValueError(f"reward function {name} returned {v!r:.80} for completion {i} "
-                                 f"({_text(completions[i])!r:.80}): return a finite float32, or None for no opinion")
+                                 f"({_text(completions[i])!r:.80}): return a finite float32, "
+                                 f"or None for no opinion")
         rewards[:, f] = torch.tensor([math.nan if v is None else float(v) for v in values])
     return rewards
 
 
 def pass_at_k(n, c, k):
-    """The probability that at least one of k completions passes, estimated without bias from n >= k samples of which
-    c passed (Chen et al. 2021, arXiv 2107.03374, eq. 1): 1 - C(n-c, k) / C(n, k), as their numpy snippet computes it,
-    a product instead of binomials that overflow: 1 - prod_{i=n-c+1}^{n} (1 - k/i)."""
+    """P(at least one of k completions passes), unbiased from n >= k samples of which c passed
+    (Chen et al. 2021, arXiv 2107.03374, eq. 1): 1 - C(n-c, k) / C(n, k), computed as their numpy
+    snippet does, 1 - prod_{i=n-c+1}^{n} (1 - k/i): binomials overflow."""
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     if n - c < k:  # every k-subset holds a passing sample
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def score(funcs, rows, rollout, conversational, timeout):
+    """Rewards (N, F) of a rollout (rows: its dataset row per completion), NaN for no opinion. A
+    reward that raised, exited or took over timeout seconds stops every rank alike."""
+    columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
+    lengths = rollout.completion_mask.sum(1).int().tolist()  # (N,)
+    ids = [c[:k] for c, k in zip(rollout.completion_ids.tolist(), lengths)]
+    texts = rollout.texts
+    if conversational:
+        texts = [[{"role": "assistant", "content": t}] for t in rollout.texts]
+    try:
+        rewards = compute_rewards(funcs, [r["prompt"] for r in rows], texts, timeout,
+                                  completion_ids=ids, **columns)
+        error = None
+    except BaseException as e:  # raised, exited or hung (compute_rewards names it)
+        rewards = None
+        error = e
+    if not all_ranks_ok(error is None):
+        message = str(error) if error else "another rank's reward function failed (see its message)"
+        fail(message, everywhere=False)
+    return rewards

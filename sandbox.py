@@ -1,42 +1,33 @@
 """
-Code-execution reward: run each completion's last ```python block against the sample's unit tests in a
-sandboxed subprocess; the reward is the fraction of tests passed (R1-style code RL, run locally).
+Code-execution reward: the fraction of its sample's unit tests that a completion's last ```python
+block passes, run in a sandboxed subprocess (0.0: no code, a hang, an early exit).
 
-    reward = (# tests whose code ran without raising) / (# tests)     # 0.0: no code, a hang, an early exit
-    python sandbox.py      # scores the reference solutions of the built-in example task (all 1.0)
+The `tests` column holds per sample (a) a list of assert statements, one test each, or (b) a string
+of code defining top-level `def test_*():` functions. The program runs once as module `solution` (no
+`__main__`, stdin /dev/null, errors do not stop the tests), then the tests run in its namespace.
 
-The `tests` column holds per sample either (a) a list of statements, one test each, e.g.
-["assert add(1, 2) == 3"] (a test passes if it does not raise, so write asserts), or (b) one string of
-code defining top-level `def test_*():` functions, one test each. The program's top level runs once as
-module `solution` (no `__main__` block; stdin is /dev/null; an error there does not stop the tests), then
-the tests run in its namespace.
-
-Guaranteed (Linux, trainer running as root with CAP_SYS_ADMIN, as on our dev machine):
-G1. Writes only to its own dir: a fresh tmpfs (TMPFS_MB) in a private mount namespace in which every
-    other mount is read-only; it vanishes with the program.
+Guaranteed (Linux, the trainer running as root with CAP_SYS_ADMIN):
+G1. Writes only to its own fresh tmpfs (TMPFS_MB): a private mount namespace, all else read-only.
 G2. No network: a private network namespace (loopback down), plus an audit hook refusing sockets.
-G3. Cannot signal or read the trainer: it runs as a uid of its own (SANDBOX_UID.. +UIDS, no capabilities,
-    no_new_privs; flock-ed for the program's run, so no two programs on the host share one, whichever process
-    runs them) in its own session, with a scrubbed env (PATH, HOME, LANG).
-G4. Limits per process: CPU seconds, address space (MEM_MB), open files, file size, no core dumps;
-    RLIMIT_NPROC = MAX_PROCS counts every process of the program's uid, so it bounds the whole program.
-G5. A wall-clock timeout SIGKILLs the process group; after every program, every process of its uid is
-    SIGKILLed too (also those that left the group with setsid).
-G6. Printing cannot fake results: they travel as nonce-tagged lines on a private pipe (stdout, stderr
-    are discarded) and count only next to the final "done" line: sys.exit, os._exit, a crash, a kill
-    or a hang before all tests ran scores the whole program 0.0.
+G3. Cannot signal or read the trainer: a uid of its own (SANDBOX_UID.. +UIDS, flocked: no two
+    programs on the host share one), no capabilities, no_new_privs, its own session, a clean env.
+G4. Limits per process: CPU seconds, address space (MEM_MB), open files, file size, no core
+    dumps; RLIMIT_NPROC = MAX_PROCS counts every process of the uid: it bounds the whole program.
+G5. A wall-clock timeout SIGKILLs the process group, then every process of the uid (setsid too).
+G6. Printing cannot fake results: nonce-tagged lines on a private pipe (stdout, stderr discarded)
+    count only with the final "done" line; an exit, crash, kill or hang before it scores 0.0.
 Not guaranteed:
 N1. Not a security boundary against a determined attacker: shared kernel, no seccomp, no VM.
-N2. No defence against reward hacking inside the process: the program shares the interpreter with its
-    tests, so it can patch builtins, return objects whose __eq__ is always True, or dig the nonce out of
-    memory (frames, gc). Robust scoring would compare outputs in the parent (stdin/stdout problems).
-N3. Reads are not restricted beyond file permissions (world-readable files, others' cmdlines in /proc).
-N4. No total memory cap (no cgroup): the worst case is WORKERS * MAX_PROCS * MEM_MB of address space.
-N5. Root without CAP_SYS_ADMIN (e.g. Docker's default): no namespaces, so it can write to world-writable
-    dirs (/tmp) and the network is cut only by the audit hook (ctypes gets around it). Not root: also
-    no uid switch, so it can signal and read the trainer, RLIMIT_NPROC counts all the user's processes
-    (forking fails), and processes that leave the process group survive the timeout; a user+network
-    namespace cuts the network where the kernel allows it.
+N2. No defence against reward hacking in the process: sharing the interpreter with its tests, the
+    program can patch builtins, return always-equal objects or read the nonce from memory.
+N3. Reads are limited only by file permissions (world-readable files, others' cmdlines in /proc).
+N4. No total memory cap (no cgroup): at worst WORKERS * MAX_PROCS * MEM_MB of address space.
+N5. Root without CAP_SYS_ADMIN (Docker): no namespaces: /tmp is writable and only the audit hook
+    (ctypes gets around it) cuts the network. Not root: no uid switch: it can signal and read the
+    trainer, RLIMIT_NPROC counts all the user's processes, and setsid escapes the timeout.
+
+Run: python sandbox.py   (scores the built-in task's reference solutions: all 1.0)
+Run the tests: python -m pytest -q tests/test_sandbox.py
 """
 import ast
 import fcntl
@@ -55,16 +46,18 @@ TIMEOUT_S = 10.0  # wall clock per program, start-up included
 CPU_S = 10  # RLIMIT_CPU per process
 MEM_MB = 1024  # RLIMIT_AS per process (python + numpy import needs ~0.5 GB of address space)
 MAX_PROCS = 8  # RLIMIT_NPROC: processes and threads of the program's uid (root only, see N5)
-FILE_MB, TMPFS_MB, MAX_FILES = 16, 64, 64  # largest file, working dir size, open files
+FILE_MB = 16  # largest file
+TMPFS_MB = 64  # working dir size
+MAX_FILES = 64  # open files
 WORKERS = os.cpu_count() or 1  # programs run in parallel
-SANDBOX_UID, UIDS = 64000, 256  # programs run as uid/gid SANDBOX_UID.. +255: pick a range no one on the host uses
-UID_LOCKS = "/tmp/tinygrpo-sandbox-uids"  # a uid is taken while its lock file here is flocked (G3)
+SANDBOX_UID = 64000  # the first uid/gid programs run as: a range no one on the host uses
+UIDS = 256  # programs run as SANDBOX_UID .. SANDBOX_UID + UIDS - 1
+UID_LOCKS = "/tmp/tinygrpo-sandbox-uids"  # a uid is taken while its lock file here is flocked
 _slots = threading.BoundedSemaphore(WORKERS)  # at most WORKERS programs of this process at once
 
 
 def take_uid():
-    """-> (uid, lock fd): a uid no other program on this host runs as (another rank's, another run's), held until
-    the fd closes or this process dies. Before: a slot per process, so two ranks on a node killed each other's."""
+    """-> (uid, lock fd): a uid no other program on the host runs as, held while fd is open (G3)."""
     os.makedirs(UID_LOCKS, mode=0o700, exist_ok=True)
     for uid in range(SANDBOX_UID, SANDBOX_UID + UIDS):
         fd = os.open(os.path.join(UID_LOCKS, str(uid)), os.O_CREAT | os.O_RDWR, 0o600)
@@ -73,36 +66,45 @@ def take_uid():
             return uid, fd
         except BlockingIOError:
             os.close(fd)
-    raise RuntimeError(f"all {UIDS} sandbox uids from {SANDBOX_UID} are taken: too many programs on this host")
+    raise RuntimeError(f"all {UIDS} sandbox uids from {SANDBOX_UID} are taken: too many programs "
+                       f"on this host")
 
 
-def kill_all(uid):  # kill(-1) as uid: every process it owns, wherever it went (G5)
+def kill_all(uid):
+    """kill(-1) as uid: every process it owns, wherever it went (G5)."""
     subprocess.run(["kill", "-9", "--", "-1"], user=uid, group=uid, extra_groups=[],
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-# Runs in the child: isolate (as root), drop to the program's uid, set limits, run program + tests, report.
+# Runs in the child: isolate (as root), drop to the program's uid, set limits, run, report.
 _HARNESS = r'''
 import ctypes, json, os, resource, sys
-def private_ancestor(path):  # the topmost directory above path that others cannot enter, if any
+def private_ancestor(path):  # the topmost dir above path that others cannot enter, if any
     parts = path.strip("/").split("/")
-    return next((d for d in ["/" + "/".join(parts[:i]) for i in range(1, len(parts))]
-                 if not os.stat(d).st_mode & 1), None)
-def mount(source, target, fstype, flags, options=None):  # fail loudly: no silently weaker sandbox
+    ancestors = ["/" + "/".join(parts[:i]) for i in range(1, len(parts))]
+    return next((d for d in ancestors if not os.stat(d).st_mode & 1), None)
+def mount(source, target, fstype, flags, options=None):  # fails loudly: never a weaker sandbox
     if libc.mount(source and source.encode(), target.encode(), fstype, flags, options) != 0:
         sys.exit(f"sandbox: mount {target} failed: {os.strerror(ctypes.get_errno())}")
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 1 << 14, 1 << 18
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_REMOUNT = 32
+MS_BIND = 4096
+MS_REC = 1 << 14
+MS_PRIVATE = 1 << 18
 libc = ctypes.CDLL(None, use_errno=True)
 def main():  # everything is local to main(): the program's globals are a separate dict
     job = json.loads(sys.stdin.buffer.read())
     os.dup2(os.open(os.devnull, os.O_RDWR), 0)  # the job (with its nonce) is gone from stdin
     uid = job["uid"]
-    if uid is not None:  # root: private network + mount namespaces, fs read-only but for a fresh tmpfs
+    if uid is not None:  # root: private network and mount namespaces, the fs read-only
         if libc.unshare(0x40000000 | 0x00020000) == 0:  # CLONE_NEWNET | CLONE_NEWNS
             mount(None, "/", None, MS_REC | MS_PRIVATE)  # mounts below stay in this namespace
-            # python may sit in a dir the uid cannot enter (pyenv in /root, mode 700): cover that dir
-            # with an empty tmpfs (hiding the rest of it) and bind the python install back in
-            hidden = {p: private_ancestor(p) for p in {sys.prefix, sys.base_prefix} if private_ancestor(p)}
+            # python may sit in a dir the uid cannot enter (pyenv in /root, mode 700): cover that
+            # dir with an empty tmpfs (hiding the rest of it) and bind the python install back in
+            prefixes = {sys.prefix, sys.base_prefix}
+            hidden = {p: private_ancestor(p) for p in prefixes if private_ancestor(p)}
             fds = {p: os.open(p, os.O_PATH) for p in hidden}  # opened before the tmpfs covers them
             for private in set(hidden.values()):
                 mount("tmpfs", private, b"tmpfs", 0, b"mode=755")
@@ -114,10 +116,12 @@ def main():  # everything is local to main(): the program's globals are a separa
                 mount(None, mnt.replace("\\040", " "), None, MS_REMOUNT | MS_BIND | MS_RDONLY)
             opts = f"size={job['tmpfs_mb']}m,mode=700,uid={uid},gid={uid}".encode()
             mount("tmpfs", job["workdir"], b"tmpfs", MS_NOSUID | MS_NODEV, opts)
-        os.setgroups([]); os.setgid(uid); os.setuid(uid)  # irreversible: real, effective, saved; no caps
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)  # irreversible: real, effective and saved ids; no capabilities
         if not os.access(os.path.dirname(os.__file__), os.R_OK | os.X_OK):
-            sys.exit(f"sandbox: uid {uid} cannot read {os.path.dirname(os.__file__)}: install python where "
-                     "others can read it, or allow mount namespaces (CAP_SYS_ADMIN)")
+            sys.exit(f"sandbox: uid {uid} cannot read {os.path.dirname(os.__file__)}: install "
+                     "python where others can read it, or allow mount namespaces (CAP_SYS_ADMIN)")
     else:  # not root: a user namespace may still give a private network namespace
         libc.unshare(0x10000000 | 0x40000000)  # CLONE_NEWUSER | CLONE_NEWNET, best effort
     libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: setuid binaries cannot regain root
@@ -128,7 +132,9 @@ def main():  # everything is local to main(): the program's globals are a separa
         if event == "socket.__new__":
             raise PermissionError("sandbox: no network")
     sys.addaudithook(refuse_sockets)  # an audit hook cannot be removed once added
-    nonce, fd, tests = job["nonce"], job["result_fd"], job["tests"]
+    nonce = job["nonce"]
+    fd = job["result_fd"]
+    tests = job["tests"]
     os.write(fd, f"{nonce} ready\n".encode())  # setup done; from here on, errors are the program's
     os.dup2(0, 2)  # stderr (a pipe to the trainer until now) goes to /dev/null too
     namespace = {"__name__": "solution", "__builtins__": __builtins__}
@@ -156,7 +162,7 @@ main()
 
 
 def extract_code(completion):
-    """The last ```python (or untagged ```) block of a completion: a string or [{"role", "content"}, ...]."""
+    """The last ```python (or untagged ```) block of a completion (text or messages), or None."""
     text = completion if isinstance(completion, str) else completion[-1]["content"]
     blocks = re.findall(r"```([\w+-]*)[^\n]*\n(.*?)```", text, re.DOTALL)  # pairs fences in order
     code = [body for tag, body in blocks if tag.lower() in ("", "python", "py", "python3")]
@@ -169,16 +175,19 @@ def count_tests(tests):
         try:
             tree = ast.parse(tests)
         except SyntaxError as e:
-            raise ValueError(f"tests code does not parse ({e}); fix the dataset's `tests` column") from e
-        names = [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")]
+            raise ValueError(f"tests code does not parse ({e}); fix the dataset's `tests` "
+                             f"column") from e
+        functions = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
+        names = [name for name in functions if name.startswith("test_")]
         return len(names), names
     if isinstance(tests, (list, tuple)) and all(isinstance(t, str) for t in tests):
         return len(tests), []
-    raise ValueError(f"tests must be a list of assert strings or a string of test_* functions, got {tests!r}")
+    raise ValueError(f"tests must be a list of assert strings or a string of test_* functions, "
+                     f"got {tests!r}")
 
 
 def run_tests(program, tests, timeout_s=None):
-    """Run `program` then its `tests` in the sandbox. Returns (passed, total, status), status one of
+    """Run `program` then its `tests` in the sandbox -> (passed, total, status), status one of
     "ok", "timeout", "exited" (ended before all tests ran: sys.exit/os._exit/crash/killed)."""
     with _slots:  # blocks while WORKERS programs of this process are running
         uid, lock = take_uid() if os.geteuid() == 0 else (None, None)
@@ -201,20 +210,21 @@ def run_as(uid, program, tests, timeout_s):
     job = dict(program=program, tests=tests, test_names=test_names, nonce=nonce, result_fd=write_fd,
                uid=uid, workdir=workdir, tmpfs_mb=TMPFS_MB, limits=limits)
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8",
-           "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # one thread each: threads count as procs
+           "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # threads count as processes
     try:
         if uid is not None:
             os.chown(workdir, uid, uid)  # used as is when the mount namespace is not available
         proc = subprocess.Popen([sys.executable, "-I", "-c", _HARNESS], stdin=subprocess.PIPE,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=workdir,
-                                pass_fds=(write_fd,), start_new_session=True)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+                                cwd=workdir, pass_fds=(write_fd,), start_new_session=True)
         os.close(write_fd)
         try:
             _, setup_err = proc.communicate(json.dumps(job).encode(), timeout=timeout_s)
             timed_out = False
         except subprocess.TimeoutExpired:
-            timed_out, setup_err = True, b""
-        try:  # the session's process group outlives the harness while the program has children in it
+            timed_out = True
+            setup_err = b""
+        try:  # the process group outlives the harness while the program has children in it
             os.killpg(proc.pid, 9)
         except ProcessLookupError:
             pass  # no process left in the group
@@ -239,10 +249,10 @@ def run_as(uid, program, tests, timeout_s):
 
 
 def code_reward(completions, tests, **kw):
-    """Fraction of the sample's tests passed by the last ```python block of each completion (0.0 if none).
-    `tests`: the dataset column, one entry per completion (format a or b, see the module docstring)."""
+    """The fraction of each sample's `tests` (format a or b) its last ```python block passes."""
     if len(tests) != len(completions):
-        raise ValueError(f"got {len(completions)} completions but {len(tests)} tests entries: one per completion")
+        raise ValueError(f"got {len(completions)} completions but {len(tests)} tests entries: "
+                         f"one per completion")
     programs = [extract_code(c) for c in completions]
 
     def score(program, sample_tests):
@@ -276,7 +286,7 @@ CODE_PROBLEMS = [
 
 
 def make_code_dataset():
-    """Rows {"prompt", "tests", "solution"} for code_reward; "solution" is a reference completion."""
+    """Rows {"prompt", "tests", "solution"} for code_reward; "solution": a reference completion."""
     return [{"prompt": f"Write a Python function `{signature}` that {spec}. "
                        "Answer with the code in one ```python block.",
              "tests": tests, "solution": f"```python\n{reference}```"}

@@ -1,15 +1,19 @@
 """Fused Triton kernels; the plain-PyTorch reference each one must match lives in loss.py, and
 loss.policy_loss is the one caller in training.
 
-Importing this package does not import Triton; the first use of a kernel does (PEP 562 __getattr__).
-transformers probes the module name `kernels` (the HF kernels hub package) when it loads a model, and
-from the repo root it finds this one: an eager import would pull in Triton there, and a machine without
-Triton could not run train.py at all, not even its PyTorch path.
+Importing this package does not import Triton; the first use of a kernel does (PEP 562
+__getattr__). transformers probes the module name `kernels` (the HF kernels hub package) when it
+loads a model, and from the repo root it finds this one: an eager import would pull in Triton
+there, and a machine without Triton could not run train.py at all, not even its PyTorch path.
+
+Run the tests: python -m pytest -q tests/test_kernel.py tests/test_imports.py
 """
 __all__ = ["fused_grpo_token_loss"]
 
 
-def __getattr__(name):  # runs only for names not already in the module: `from kernels import fused_...`
+def __getattr__(name):
+    """Called only for names not already in the module: `from kernels import fused_...` imports
+    the kernel's module on first use."""
     if name in __all__:
         from . import grpo
         return getattr(grpo, name)

@@ -1,6 +1,5 @@
 """Run train.py as a user would (a subprocess, 1 process or torchrun) and read what it leaves; or build only its
 argument parser, in-process, to test flag ranges in milliseconds."""
-import ast
 import json
 import os
 import shutil
@@ -82,11 +81,7 @@ def without_timings(records):
 
 
 def train_parser():
-    """train.py's own argparse parser, built in this process: train.py's statements up to `args = parser.parse_args()`
-    run here (its imports, then the flags), nothing after. parse_args(bad) prints train.py's one-line error and raises
-    SystemExit(2), exactly as the script does."""
-    tree = ast.parse(open(os.path.join(ROOT, "train.py")).read())
-    end = next(i for i, node in enumerate(tree.body) if ast.unparse(node) == "args = parser.parse_args()")
-    namespace = {"__name__": "train_flags"}
-    exec(compile(ast.Module(tree.body[:end], type_ignores=[]), os.path.join(ROOT, "train.py"), "exec"), namespace)
-    return namespace["parser"]
+    """train.py's argparse parser (config.py), built in this process: parse_args(bad) prints the
+    one-line error and raises SystemExit(2), exactly as the script does."""
+    import config
+    return config.parser

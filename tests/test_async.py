@@ -77,6 +77,44 @@ def test_two_ranks_ddp(server, tiny, tmp_path):
     check_staleness(records)
 
 
+def run_until_killed(server_proc, args, out_dir, log, nproc, at_step=4):
+    """Start train.py, kill the rollout server once the run logged step at_step -> (exit code, output,
+    seconds from the kill to the trainer's exit)."""
+    with open(log, "w") as f:
+        cmd, warm = script_cmd(os.path.join(ROOT, "train.py"), nproc)
+        run = subprocess.Popen(cmd + ["--out-dir", str(out_dir), *args], cwd=ROOT,
+                               env={**os.environ, "OMP_NUM_THREADS": "1", **warm}, stdout=f, stderr=f)
+    deadline = time.time() + 180
+    while time.time() < deadline and run.poll() is None:
+        if any(r["step"] >= at_step for r in read_metrics(out_dir)):
+            break
+        time.sleep(0.05)
+    assert run.poll() is None, open(log).read()[-3000:]
+    server_proc.kill()
+    start = time.time()
+    run.wait(timeout=60)
+    return run.returncode, open(log).read(), time.time() - start
+
+
+def test_one_rank_server_killed_then_resumed(request, tiny, tmp_path):
+    """1 rank, --async, its own server killed mid-run: the documented one line (the background batch's
+    error is raised as it is: no process group to gather it over), then a clean resume against a new
+    server."""
+    proc, url = start_server(request, tiny[0], tiny[2], tmp_path / "server.log")
+    out = tmp_path / "out"
+    args = async_args(tiny, (proc, url), steps=100000)  # would run on for hours
+    code, output, seconds = run_until_killed(proc, args, out, tmp_path / "train.log", nproc=1)
+    assert code != 0 and seconds < 20, output[-3000:]
+    assert f"error (rank 0): rollout server {url} did not answer" in output, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    saved = max(r["step"] for r in read_metrics(out)) // 2 * 2  # --save-every 2
+    _, url2 = start_server(request, tiny[0], tiny[2], tmp_path / "server2.log")
+    resumed = async_args(tiny, (None, url2), steps=saved + 2)
+    _, output, records = run_train(resumed, out)
+    assert f"resuming from {out / 'checkpoints'}" in output, output[-3000:]
+    assert [r["step"] for r in records] == list(range(saved + 3)), records
+
+
 def test_two_ranks_fsdp_then_server_killed(server, tiny, tmp_path):
     """Last (it kills the module's server): 2 trainer ranks with FSDP2 train one step off-policy; then the server
     dies mid-run, and every rank stops within seconds with RemoteEngine's one line, not a traceback or a hang."""

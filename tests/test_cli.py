@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-import task
-from common import check_flags
+import config
+from config import check_flags
 from helpers import run_train, train_parser
 
 FAST = ["--engine", "hf", "--steps", "1", "--eval-size", "8"]
@@ -88,7 +88,7 @@ def test_good_flags_parse(parser):
     assert args.reward_timeout == 300
 
 
-RULE_CASES = {  # name: (args, expected text): the rules between flags (common.check_flags), in-process
+RULE_CASES = {  # name: (args, expected text): the rules between flags (config.check_flags), in-process
     "weights count": (["--rewards", "exact_match_reward", "--reward-weights", "1", "2"], "--reward-weights has 2 values"),
     "weights all zero": (["--reward-weights", "0", "0"], "--reward-weights are all 0: every advantage would be 0"),
     "micro does not divide": (["--micro-batch-size", "7"], "must divide --minibatch-size"),
@@ -109,14 +109,47 @@ RULE_CASES = {  # name: (args, expected text): the rules between flags (common.c
 def test_bad_flag_combination(name, parser, capsys):
     """train.py's validation block in-process: parse, fill the task defaults, check the rules between flags."""
     argv, expected = RULE_CASES[name]
-    args = parser.parse_args(argv)
-    for k, v in task.defaults(args.dataset is None, args.model is None, args.task_digits, args.rewards).items():
-        if getattr(args, k, None) is None:
-            setattr(args, k, v)
+    args = config.fill_defaults(parser.parse_args(argv))
     with pytest.raises(SystemExit) as e:
         check_flags(args)
     out = capsys.readouterr().out
     assert e.value.code == 2 and out.startswith("error: ") and expected in out and out.count("\n") == 1, out
+
+
+# A flag that only matters under another one, given alone: refused, not ignored in silence
+DEPENDENT_CASES = {
+    "--lora-alpha": (["--lora-alpha", "8"], "--lora-rank R"),
+    "--lora-dropout": (["--lora-dropout", "0.1"], "--lora-rank R"),
+    "--lora-targets": (["--lora-targets", "q_proj"], "--lora-rank R"),
+    "--vllm-url": (["--vllm-url", "http://127.0.0.1:1"], "--vllm-mode server"),
+    "--vllm-memory with --engine hf": (["--engine", "hf", "--vllm-memory", "0.5"], "colocated vLLM"),
+    "--dataset-config": (["--dataset-config", "main"], "--dataset"),
+    "--split": (["--split", "train[:10]"], "--dataset"),
+    "--eval-split": (["--eval-split", "train[:10]"], "--dataset"),
+    "--prompt-column": (["--prompt-column", "question"], "--dataset"),
+    "--solution-column": (["--solution-column", "answer"], "--dataset"),
+    "--system-prompt": (["--system-prompt", "Be brief."], "--dataset"),
+    "--task-digits with --dataset": (["--dataset", "x.jsonl", "--task-digits", "4"], "built-in task"),
+}
+
+
+@pytest.mark.parametrize("name", DEPENDENT_CASES)
+def test_a_dependent_flag_alone_is_refused(name, parser, capsys):
+    argv, needs = DEPENDENT_CASES[name]
+    args = config.fill_defaults(parser.parse_args(argv))
+    with pytest.raises(SystemExit) as e:
+        check_flags(args)
+    out = capsys.readouterr().out
+    flag = argv[-2]
+    assert e.value.code == 2 and out.count("\n") == 1, out
+    assert out.startswith(f"error: {flag} does nothing without ") and needs in out, out
+
+
+def test_every_dependent_flag_is_accepted_with_the_flag_it_needs(parser):
+    args = parser.parse_args(["--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.1",
+                              "--vllm-mode", "server", "--vllm-url", "http://127.0.0.1:1",
+                              "--dataset", "x.jsonl", "--split", "train[:10]", "--system-prompt", "S"])
+    check_flags(config.fill_defaults(args))  # no SystemExit
 
 
 CASES = {  # name: (extra args, expected text in the error line): train.py end to end, a subprocess each (the

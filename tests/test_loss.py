@@ -46,16 +46,16 @@ def test_selective_log_softmax_matches_full_log_softmax_in_chunks(dtype):
 def test_chunks_are_checkpointed_only_when_there_are_several(monkeypatch):
     """One chunk runs plainly (the default run's tiny logits: checkpointing each row cost 500x); several chunks are
     each checkpointed, so no fp32 copy of more than one chunk is kept for backward (the bound at V = 151,936)."""
-    import loss
+    import model
     calls = []
-    monkeypatch.setattr(loss, "checkpoint", lambda fn, *a, **kw: calls.append(1) or fn(*a))
+    monkeypatch.setattr(model, "checkpoint", lambda fn, *a, **kw: calls.append(1) or fn(*a))
     logits = torch.randn(3, 7, 50, requires_grad=True)
     ids = torch.randint(50, (3, 7))
     for chunk_rows, expected in ((None, 0), (21, 0), (14, 2), (7, 3), (4, 6)):
         calls.clear()
         selective_log_softmax(logits, ids, chunk_rows=chunk_rows).sum().backward()
         assert len(calls) == expected, (chunk_rows, len(calls))
-    monkeypatch.setattr(loss, "CHUNK_ELEMENTS", 7 * 50)  # the default bound: one sequence of V = 50 per chunk
+    monkeypatch.setattr(model, "CHUNK_ELEMENTS", 7 * 50)  # the default bound: one sequence of V = 50 per chunk
     calls.clear()
     entropy_from_logits(logits).sum().backward()
     assert len(calls) == 3

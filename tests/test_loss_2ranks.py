@@ -1,6 +1,6 @@
 """Loss bookkeeping over 2 ranks (torchrun, gloo on CPU): with DDP averaging the gradients, each loss type's
 minibatch loss over every rank's completions is what one process would compute on all of them at once, whatever
-each rank's token count, and so are the logged loss, kl and entropy (common.step_metrics). This file is both the
+each rank's token count, and so are the logged loss, kl and entropy (loss.step_metrics). This file is both the
 pytest test and the script it launches:
 
     python -m pytest -q tests/test_loss_2ranks.py
@@ -33,7 +33,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     sys.path.insert(0, REPO)
-    from common import step_metrics
+    from loss import step_metrics
     from loss import LOSS_TYPES, minibatch_tokens, policy_loss
 
     H, V, T, n = 8, 32, 5, 4  # n completions per rank, micro-batches of 2

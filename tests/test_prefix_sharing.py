@@ -1,12 +1,11 @@
-"""common.completion_logits shares each prompt's forward among its completions (prefix sharing): the logits and the
+"""model.completion_logits shares each prompt's forward among its completions (prefix sharing): the logits and the
 gradients must be those of the plain forward over whole (prompt + completion) sequences, whatever the prompt lengths
 (left padding, a 1-token prompt), the micro-batch cut (through a group) and the dtype."""
 import pytest
 import torch
 
-from common import completion_logits, prompt_batch, sequence_logps
+from model import completion_logits, prompt_batch, sequence_batch, sequence_logps
 from loss import selective_log_softmax
-from rollout import sequence_batch
 
 
 def whole_sequence_logits(model, prompt_ids, completion_ids):  # the plain way: one (P+T) sequence per completion

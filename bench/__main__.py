@@ -1,0 +1,69 @@
+"""`python -m bench MODE [flags]`: the command line (see bench/__init__.py for the modes)."""
+import argparse
+import importlib
+
+import torch
+
+import bench
+
+# mode: (module in bench/, function)
+MODES = {
+    "rollout": ("engines", "bench_rollout"),
+    "kernel": ("kernel", "bench_kernel"),
+    "gpu": ("gpu", "bench_gpu"),
+    "memory": ("memory", "bench_memory"),
+    "lora": ("memory", "bench_lora"),
+    "update": ("update", "bench_update"),
+    "runs": ("runs", "bench_runs"),
+    "trl": ("runs", "bench_trl"),
+    # one setting of `memory`, in the subprocess it starts
+    "_memory_step": ("memory", "memory_step"),
+}
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(prog="python -m bench", description=bench.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=list(MODES))
+    parser.add_argument("out_dirs", nargs="*", help="runs: train.py out-dirs")
+    parser.add_argument("--tiny", action="store_true",
+                        help="small shapes, CPU-runnable (checks the script itself)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed repeats per figure (median reported); default 5 (gpu: 1 for "
+                        "rollouts, and with --tiny for the kernel too)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--peak-gbps", type=float, default=None,
+                        help="memory bandwidth for the roofline (GPU)")
+    # gpu mode
+    parser.add_argument("--out", default="bench_gpu.json", help="gpu: the JSON file written")
+    parser.add_argument("--max-minutes", type=float, default=8.0,
+                        help="gpu: the whole run's deadline; the kernel section must end by 30%% "
+                        "of it, rollout by 65%%, train by 100%%")
+    parser.add_argument("--vllm-memory", type=float, default=None,
+                        help="gpu: the vLLM engine's memory fraction in rollout and train "
+                        "(default: train.py's 0.3; --tiny on CPU: about 3 GB of the RAM)")
+    parser.add_argument("--engine", default=None, choices=["auto", "vllm", "hf"],
+                        help="gpu: train.py's --engine (default: vllm with --tiny, else auto: "
+                        "vLLM when installed)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="memory: completion length")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
+                        help="trl: one comparison per seed")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="trl: GRPO steps of each run (default 700)")
+    # _memory_step: its one setting
+    parser.add_argument("--micro", type=int, default=2, help=argparse.SUPPRESS)
+    parser.add_argument("--completions", type=int, default=16, help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    if args.mode != "gpu":
+        args.repeats = args.repeats or 5
+    module, function = MODES[args.mode]
+    getattr(importlib.import_module(f"bench.{module}"), function)(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""
+Every knob of train.py: its flags (argparse, with ranges), the recipe that fills the flags left at
+None, and the rules between flags. `python train.py --help` prints the same list.
+
+    args = config.parse_args()     # the flags as the user gave them (checkpoint.run_config records these)
+    config.fill_defaults(args)     # None -> the recipe's value: the built-in task's, or R1's for a --dataset
+    config.check_flags(args)       # the rules between flags: one clear line each, the same on every rank
+
+Where a default comes from: a flag's own default below, or, where that is None, `defaults()` (the
+recipe). Tests import this module to check ranges and rules in milliseconds (tests/test_cli.py).
+"""
+import argparse
+import math
+import os
+
+from advantage import SCALE_REWARDS
+from common import fail, world
+from lora import LORA_TARGETS
+from loss import IS_LEVELS, LOSS_TYPES
+from task import position_reward
+
+
+def number(kind=float, low=None, high=None, low_open=False, why=""):
+    """argparse type: a finite `kind` in [low, high] ((low, high] with low_open); None = unbounded.
+    Refuses nan/inf, which would otherwise pass every comparison-based check silently."""
+    if low is not None and high is not None:
+        bounds = f"in {'(' if low_open else '['}{low}, {high}]"
+    elif low is not None:
+        bounds = f"{'>' if low_open else '>='} {low}"
+    else:
+        bounds = f"<= {high}"
+
+    def parse(text):
+        try:
+            x = kind(text)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        too_low = low is not None and (x <= low if low_open else x < low)
+        too_high = high is not None and x > high
+        if not math.isfinite(x) or too_low or too_high:
+            raise argparse.ArgumentTypeError(f"must be {bounds}{why}, got {text}")
+        return x
+    return parse
+
+
+# -----------------------------------------------------------------------------
+# The flags. A default of None is the recipe's (defaults() below).
+parser = argparse.ArgumentParser(description="GRPO trainer (see the docstring of train.py)")
+# one line ("error: argument --G: must be >= 2 ..."), not the 50-flag usage block
+parser.error = fail
+add = parser.add_argument
+int_ = number(int, 1)
+pos = number(float, 0, low_open=True)
+# --- model and data
+add("--model", default=None, help="hub id or local dir; default: a tiny Qwen2 built from a config")
+add("--dataset", default=None,
+    help="hub id or .json/.jsonl/.csv/.parquet file; default: the built-in task")
+add("--dataset-config", default=None)
+add("--split", default="train")
+add("--eval-split", default="test",
+    help="held-out split (local files: e.g. --split 'train[50:]' --eval-split 'train[:50]')")
+add("--prompt-column", default="prompt")
+add("--solution-column", default="solution")
+add("--system-prompt", default=None, help="default: data.DEFAULT_SYSTEM_PROMPT (R1's); '' for none")
+add("--task-digits", type=number(int, 1, 6), default=3, help="built-in task: digits per prompt")
+# --- rollouts
+add("--G", type=number(int, 2, why=" (a group needs two completions to compare)"), default=8,
+    help="completions per prompt")
+add("--prompts-per-step", type=int_, default=32, help="prompts per step, all ranks together")
+add("--dynamic-sampling", type=number(int, 0), default=0, metavar="ROUNDS",
+    help="DAPO: replace groups of equal rewards by new prompts, at most ROUNDS rounds a step (0: off)")
+add("--max-prompt-len", type=int_, default=512, help="longer prompts are dropped (with a warning)")
+add("--max-new-tokens", type=int_, default=None, help="completion limit (recipe: digits+1 / 512)")
+add("--temperature", default=1.0,
+    type=number(float, 0, low_open=True, why=" for GRPO sampling (greedy completions never differ)"))
+add("--top-p", type=number(float, 0, 1, low_open=True), default=1.0)
+add("--engine", default="auto", choices=["auto", "vllm", "hf"], help="auto: vLLM when installed")
+add("--vllm-memory", type=number(float, 0, 1, low_open=True), default=0.3,
+    help="vLLM memory fraction (of the GPU / NUMA RAM)")
+add("--vllm-tp", type=int_, default=1, help="colocated vLLM: tensor-parallel over this many ranks")
+add("--vllm-mode", default="colocate", choices=["colocate", "server"], help="server: see --vllm-url")
+add("--vllm-url", default=None, help="server mode: http://HOST:PORT of `python server.py`")
+add("--async", dest="async_", action="store_true",
+    help="server mode: sample the next batch during this update")
+# --- rewards
+add("--rewards", nargs="+", default=None, help="built-in names, dotted paths or reward-model dirs")
+add("--reward-weights", type=number(float), nargs="+", default=None, help="one weight per reward")
+add("--scale-rewards", default="group", choices=SCALE_REWARDS)
+add("--eval-reward", default=None,
+    help="held-out accuracy's reward, like --rewards (recipe: exact match / accuracy)")
+# under gloo's 1800 s collective timeout (NCCL's: 600 s)
+add("--reward-timeout", type=number(float, 0, 1800, low_open=True), default=300,
+    help="seconds a reward function may take on a batch; more ends the run, naming it")
+# --- optimization
+add("--steps", type=int_, default=700, help="GRPO steps (one rollout batch each)")
+add("--lr", type=pos, default=None, help="recipe: 3e-4 tiny model / 1e-6 --model (x10 with LoRA)")
+add("--warmup-steps", type=number(int, 0), default=10)
+add("--weight-decay", type=number(float, 0), default=0.0)
+add("--grad-clip", type=number(float, 0), default=1.0, help="max grad norm (0: off)")
+add("--num-iterations", type=int_, default=1, help="mu: passes over each rollout batch")
+add("--minibatch-size", type=number(int, 0), default=0,
+    help="completions per optimizer step per rank (0: all)")
+add("--micro-batch-size", type=number(int, 0), default=0,
+    help="completions per forward/backward (0: minibatch)")
+add("--lora-rank", type=number(int, 0), default=0,
+    help="train LoRA adapters of this rank, base frozen (0: full fine-tuning)")
+add("--lora-alpha", type=pos, default=None, help="LoRA scale = alpha / rank (default alpha: 2 x rank)")
+add("--lora-dropout", type=number(float, 0, 1), default=0.0,
+    help="dropout on the adapters' input, in the update")
+add("--lora-targets", nargs="+", default=LORA_TARGETS, help="the modules that get adapters")
+# --- loss
+add("--loss-type", default="grpo", choices=LOSS_TYPES)
+add("--beta", type=number(float, 0), default=0.0, help="KL coefficient (0: no reference model)")
+add("--epsilon-low", type=number(float, 0), default=0.2)
+add("--epsilon-high", type=number(float, 0), default=0.2)
+add("--importance-sampling-level", default="token", choices=IS_LEVELS)
+add("--entropy-coef", type=number(float, 0), default=None, help="entropy bonus (recipe: 0.1 / 0)")
+add("--tis-cap", type=number(float, 0), default=0.0,
+    help="truncated IS cap vs the sampler's logps (0: off)")
+add("--loss-impl", default="auto", choices=["auto", "triton", "torch"], help="auto: Triton on CUDA")
+# --- evaluation, checkpoints, logging
+add("--eval-every", type=number(int, 0), default=50,
+    help="held-out evaluation every N steps (0: at the end only)")
+add("--eval-size", type=int_, default=500, help="held-out prompts evaluated")
+add("--eval-samples", type=number(int, 0), default=0,
+    help="sampled completions per held-out prompt: pass@k (0: 1, off)")
+add("--eval-k", type=int_, nargs="+", default=None,
+    help="pass@k for each k <= --eval-samples n (default: 1 and n)")
+add("--save-every", type=int_, default=100, help="checkpoint every N steps (and at the end)")
+add("--keep-last", type=int_, default=2, help="checkpoints kept")
+add("--resume", default="auto", choices=["auto", "yes", "no"],
+    help="auto: continue the out-dir's run if any")
+add("--out-dir", default="out", help="metrics.jsonl, metrics.png, checkpoints, final model")
+add("--wandb", default=None, help="also log to this wandb project")
+# --- runtime
+add("--seed", type=number(int, 0), default=0)
+add("--threads", type=int_, default=1, help="torch CPU threads per rank (1 is fastest on small CPUs)")
+add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    help="compute dtype; weights stay fp32; auto: bf16 on CUDA")
+add("--fsdp", action="store_true", help="shard the policy (and reference) with FSDP2, per decoder layer")
+
+
+def parse_args(argv=None):
+    return parser.parse_args(argv)
+
+
+# -----------------------------------------------------------------------------
+# The recipe: what fills the flags left at None
+
+def defaults(builtin_task, tiny_model, digits, rewards=None, lora=False):
+    """The recipe behind every flag left at None.
+    The built-in task's: a tiny model from scratch, so a high lr, an entropy bonus, and exact match
+    plus position shaping. A --dataset's: R1's (format 0.1 + accuracy 1.0).
+    Rewards given without weights weigh 1 each. LoRA (--lora-rank) trains with a 10x higher lr."""
+    if builtin_task:
+        recipe = dict(
+            max_new_tokens=digits + 1,  # the answer, then EOS
+            entropy_coef=0.1,
+            rewards=["exact_match_reward", position_reward],
+            reward_weights=[1.0, 0.5],
+            eval_reward="exact_match_reward",
+        )
+    else:
+        recipe = dict(
+            max_new_tokens=512,
+            entropy_coef=0.0,
+            rewards=["think_format_reward", "accuracy_reward"],
+            reward_weights=[0.1, 1.0],
+            eval_reward="accuracy_reward",
+        )
+    # LoRA's best lr is ~10x full fine-tuning's (docs/benchmarks.md)
+    recipe["lr"] = (3e-4 if tiny_model else 1e-6) * (10 if lora else 1)
+    if rewards:
+        recipe["reward_weights"] = [1.0] * len(rewards)
+    return recipe
+
+
+def fill_defaults(args):
+    """Set every flag left at None to the recipe's value, in place."""
+    recipe = defaults(args.dataset is None, args.model is None, args.task_digits, args.rewards,
+                      args.lora_rank > 0)
+    for k, v in recipe.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    return args
+
+
+# -----------------------------------------------------------------------------
+# The rules between flags (argparse checked each flag's own range)
+
+# A flag that matters only under another one: given without it, it would be ignored in silence.
+# flag (its dest) -> (is the other one on?, what to add)
+DEPENDS_ON = {
+    "lora_alpha": (lambda a: a.lora_rank > 0, "--lora-rank R"),
+    "lora_dropout": (lambda a: a.lora_rank > 0, "--lora-rank R"),
+    "lora_targets": (lambda a: a.lora_rank > 0, "--lora-rank R"),
+    "vllm_url": (lambda a: a.vllm_mode == "server", "--vllm-mode server"),
+    "vllm_memory": (lambda a: a.vllm_mode == "colocate" and a.engine != "hf",
+                    "the colocated vLLM engine (drop --engine hf and --vllm-mode server)"),
+    "dataset_config": (lambda a: a.dataset is not None, "--dataset"),
+    "split": (lambda a: a.dataset is not None, "--dataset"),
+    "eval_split": (lambda a: a.dataset is not None, "--dataset"),
+    "prompt_column": (lambda a: a.dataset is not None, "--dataset"),
+    "solution_column": (lambda a: a.dataset is not None, "--dataset"),
+    "system_prompt": (lambda a: a.dataset is not None, "--dataset (the built-in task has none)"),
+    "task_digits": (lambda a: a.dataset is None, "the built-in task: drop --dataset"),
+}
+
+
+def dependent_flag_errors(args):
+    """One line for each flag given (different from its default) while the flag it depends on is
+    off."""
+    errors = []
+    for dest, (is_on, needs) in DEPENDS_ON.items():
+        given = getattr(args, dest) != parser.get_default(dest)
+        if given and not is_on(args):
+            errors.append(f"--{dest.replace('_', '-')} does nothing without {needs}: add it, "
+                          f"or drop the flag")
+    return errors
+
+
+def check_flags(args):
+    """The rules between train.py's flags: one clear line each, the same verdict on every rank,
+    before any heavy work."""
+    n_local = args.prompts_per_step // max(1, world) * args.G  # completions per rank per step
+    minibatch = args.minibatch_size or n_local
+    micro = args.micro_batch_size or minibatch
+    hub_id = args.model is not None and args.model.count("/") == 1 \
+        and not args.model.startswith((".", "/", "~")) and not os.path.exists(args.model)
+    k_text = " ".join(map(str, args.eval_k or ()))
+    checks = [
+        (args.prompts_per_step >= world,
+         f"--prompts-per-step {args.prompts_per_step} < {world} ranks: every rank needs a prompt"),
+        (args.prompts_per_step % world == 0,
+         f"--prompts-per-step {args.prompts_per_step} must be divisible by the {world} ranks"),
+        (args.eval_size >= world,
+         f"--eval-size must be >= the {world} ranks (each evaluates a share), got {args.eval_size}"),
+        (not args.fsdp or world > 1,
+         "--fsdp shards over ranks: launch with torchrun --nproc_per_node N (N >= 2)"),
+        (not (args.fsdp and args.lora_rank),
+         "--lora-rank does not work with --fsdp: drop --fsdp (LoRA's frozen base in --dtype and "
+         "small adapters fit one GPU per rank under DDP)"),
+        (args.vllm_mode == "colocate" or args.vllm_url,
+         "--vllm-mode server needs --vllm-url http://HOST:PORT"),
+        (not args.async_ or args.vllm_mode == "server",
+         "--async overlaps a rollout server's generation with the update: add --vllm-mode server "
+         "--vllm-url http://HOST:PORT (a colocated engine shares the trainer's device)"),
+        (world % args.vllm_tp == 0, f"--vllm-tp {args.vllm_tp} must divide the {world} ranks"),
+        (args.vllm_tp == 1 or (args.engine != "hf" and args.vllm_mode == "colocate"),
+         "--vllm-tp applies to the colocated vLLM engine: drop it with --engine hf, "
+         "or set the server's own TP"),
+        (not (args.loss_impl == "triton" and args.importance_sampling_level == "sequence"),
+         "--loss-impl triton supports --importance-sampling-level token only; use --loss-impl torch"),
+        (args.model is None or os.path.isdir(args.model) or hub_id,
+         f"--model {args.model!r}: no such directory (give a local save_pretrained folder "
+         f"or a hub id like org/name)"),
+        (len(args.reward_weights) == len(args.rewards),
+         f"--reward-weights has {len(args.reward_weights)} values for {len(args.rewards)} --rewards: "
+         f"give one per reward"),
+        (any(args.reward_weights),
+         "--reward-weights are all 0: every advantage would be 0 and nothing learned; "
+         "give a reward a non-zero weight"),
+        # n_local 0 is said above
+        (n_local == 0 or not (n_local % minibatch or minibatch % micro),
+         f"--micro-batch-size {micro} must divide --minibatch-size {minibatch}, which must divide "
+         f"the {n_local} completions per rank per step (prompts-per-step / ranks * G)"),
+        (args.dynamic_sampling != 1,
+         "--dynamic-sampling 1 draws no second round, so it drops no group: give the most rounds "
+         "a step may draw (>= 2), or 0 for off"),
+        (not (args.async_ and args.dynamic_sampling),
+         "--async samples one round ahead; --dynamic-sampling's extra rounds would sample in step "
+         "with the update: use one of them"),
+        (args.eval_samples or not args.eval_k,
+         "--eval-k needs --eval-samples n: pass@k is estimated from n sampled completions per "
+         "held-out prompt"),
+        (all(k <= args.eval_samples for k in args.eval_k or ()),
+         f"--eval-k {k_text}: each k must be <= --eval-samples {args.eval_samples}"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            fail(msg)
+    for msg in dependent_flag_errors(args):
+        fail(msg)
