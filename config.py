@@ -16,8 +16,9 @@ import os
 from advantage import SCALE_REWARDS
 from common import fail, world
 from lora import LORA_TARGETS
-from loss import IS_LEVELS, LOSS_TYPES
+from loss import IS_CORRECTIONS, IS_LEVELS, LOSS_TYPES
 from task import position_reward
+from tools import SYSTEM_PROMPT as TOOLS_SYSTEM_PROMPT
 
 
 def number(kind=float, low=None, high=None, low_open=False, why=""):
@@ -83,6 +84,11 @@ add("--vllm-mode", default="colocate", choices=["colocate", "server"], help="ser
 add("--vllm-url", default=None, help="server mode: http://HOST:PORT of `python server.py`")
 add("--async", dest="async_", action="store_true",
     help="server mode: sample the next batch during this update")
+add("--tools", default=None, choices=["python"],
+    help="ToRL: run each completion's ```python blocks, its output spliced in (tools.py)")
+add("--max-tool-calls", type=int_, default=4, help="--tools: calls per completion")
+add("--tool-output-tokens", type=number(int, 16), default=256,
+    help="--tools: an output block's tokens, fences included (more: its end is kept)")
 # --- rewards
 add("--rewards", nargs="+", default=None, help="built-in names, dotted paths or reward-model dirs")
 add("--reward-weights", type=number(float), nargs="+", default=None, help="one weight per reward")
@@ -110,14 +116,27 @@ add("--lora-dropout", type=number(float, 0, 1), default=0.0,
     help="dropout on the adapters' input, in the update")
 add("--lora-targets", nargs="+", default=LORA_TARGETS, help="the modules that get adapters")
 # --- loss
-add("--loss-type", default="grpo", choices=LOSS_TYPES)
+add("--loss-type", default="grpo", choices=LOSS_TYPES, help="cispo, sapo: other objectives")
 add("--beta", type=number(float, 0), default=0.0, help="KL coefficient (0: no reference model)")
 add("--epsilon-low", type=number(float, 0), default=0.2)
-add("--epsilon-high", type=number(float, 0), default=0.2)
+add("--epsilon-high", type=number(float, 0), default=0.2, help="cispo: the weight's cap itself")
+add("--sapo-tau", type=pos, nargs=2, default=[1.0, 1.05], metavar=("POS", "NEG"),
+    help="sapo: the gate's temperatures for A > 0 and A <= 0")
+add("--kl-bias-correction", action="store_true",
+    help="KL x ratio: the unbiased reverse-KL gradient (DeepSeek-V3.2)")
+add("--mask-truncated", action="store_true", help="drop completions cut at --max-new-tokens (DAPO)")
+add("--top-entropy-quantile", type=number(float, 0, 1), default=1.0, metavar="RHO",
+    help="policy loss on the top-RHO share of the step's tokens by entropy, all ranks (1: all)")
+add("--is-correction", default="off", choices=IS_CORRECTIONS,
+    help="sampler-vs-trainer importance sampling, per token or sequence, truncated or masked")
+add("--is-min", type=number(float, 0), default=0.0, help="IS ratio bound C_min (0: none)")
+add("--is-max", type=pos, default=3.0, help="IS ratio bound C_max")
+add("--off-policy-mask", type=number(float, 0), default=None, metavar="DELTA",
+    help="drop A < 0 sequences whose mean KL(sampler || policy) > DELTA (DeepSeek-V3.2)")
 add("--importance-sampling-level", default="token", choices=IS_LEVELS)
 add("--entropy-coef", type=number(float, 0), default=None, help="entropy bonus (recipe: 0.1 / 0)")
 add("--tis-cap", type=number(float, 0), default=0.0,
-    help="truncated IS cap vs the sampler's logps (0: off)")
+    help="alias of --is-correction token_truncate --is-max TIS_CAP (0: off)")
 add("--loss-impl", default="auto", choices=["auto", "triton", "torch"], help="auto: Triton on CUDA")
 # --- evaluation, checkpoints, logging
 add("--eval-every", type=number(int, 0), default=50,
@@ -148,10 +167,11 @@ def parse_args(argv=None):
 # -----------------------------------------------------------------------------
 # The recipe: what fills the flags left at None
 
-def defaults(builtin_task, tiny_model, digits, rewards=None, lora=False):
+def defaults(builtin_task, tiny_model, digits, rewards=None, lora=False, tools=False):
     """The recipe behind every flag left at None.
     The built-in task's: a tiny model from scratch, so a high lr, an entropy bonus, and exact match
-    plus position shaping. A --dataset's: R1's (format 0.1 + accuracy 1.0).
+    plus position shaping. A --dataset's: R1's (format 0.1 + accuracy 1.0); with --tools, the
+    tools' system prompt (tools.py) and accuracy alone (that prompt asks for no <think> format).
     Rewards given without weights weigh 1 each. LoRA (--lora-rank) trains with a 10x higher lr."""
     if builtin_task:
         recipe = dict(
@@ -169,6 +189,9 @@ def defaults(builtin_task, tiny_model, digits, rewards=None, lora=False):
             reward_weights=[0.1, 1.0],
             eval_reward="accuracy_reward",
         )
+    if tools and not builtin_task:
+        recipe.update(system_prompt=TOOLS_SYSTEM_PROMPT, rewards=["accuracy_reward"],
+                      reward_weights=[1.0])
     # LoRA's best lr is ~10x full fine-tuning's (docs/benchmarks.md)
     recipe["lr"] = (3e-4 if tiny_model else 1e-6) * (10 if lora else 1)
     if rewards:
@@ -179,7 +202,7 @@ def defaults(builtin_task, tiny_model, digits, rewards=None, lora=False):
 def fill_defaults(args):
     """Set every flag left at None to the recipe's value, in place."""
     recipe = defaults(args.dataset is None, args.model is None, args.task_digits, args.rewards,
-                      args.lora_rank > 0)
+                      args.lora_rank > 0, args.tools is not None)
     for k, v in recipe.items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
@@ -205,6 +228,12 @@ DEPENDS_ON = {
     "solution_column": (lambda a: a.dataset is not None, "--dataset"),
     "system_prompt": (lambda a: a.dataset is not None, "--dataset (the built-in task has none)"),
     "task_digits": (lambda a: a.dataset is None, "the built-in task: drop --dataset"),
+    "max_tool_calls": (lambda a: a.tools is not None, "--tools python"),
+    "tool_output_tokens": (lambda a: a.tools is not None, "--tools python"),
+    "is_min": (lambda a: a.is_correction != "off", "--is-correction MODE"),
+    "is_max": (lambda a: a.is_correction != "off", "--is-correction MODE"),
+    "sapo_tau": (lambda a: a.loss_type == "sapo", "--loss-type sapo"),
+    "kl_bias_correction": (lambda a: a.beta > 0, "--beta > 0 (a KL term)"),
 }
 
 
@@ -229,7 +258,15 @@ def check_flags(args):
     hub_id = args.model is not None and args.model.count("/") == 1 \
         and not args.model.startswith((".", "/", "~")) and not os.path.exists(args.model)
     k_text = " ".join(map(str, args.eval_k or ()))
+    # --tools: the modes the tool loop does not serve yet (it wraps one rank's colocated engine)
+    modes = [("--vllm-mode server", args.vllm_mode == "server"), ("--async", args.async_),
+             (f"--vllm-tp {args.vllm_tp}", args.vllm_tp > 1), ("--fsdp", args.fsdp),
+             ("the built-in digit task (no --dataset)", args.dataset is None)]
+    no_tools = ", ".join(mode for mode, on in modes if on)
     checks = [
+        (not (args.tools and no_tools),
+         f"--tools {args.tools} does not run with {no_tools} yet (the tool loop wraps a colocated "
+         f"engine, one per rank): drop one of the two"),
         (args.prompts_per_step >= world,
          f"--prompts-per-step {args.prompts_per_step} < {world} ranks: every rank needs a prompt"),
         (args.prompts_per_step % world == 0,
@@ -252,6 +289,11 @@ def check_flags(args):
          "or set the server's own TP"),
         (not (args.loss_impl == "triton" and args.importance_sampling_level == "sequence"),
          "--loss-impl triton supports --importance-sampling-level token only; use --loss-impl torch"),
+        (args.loss_type != "cispo" or args.epsilon_high >= 1,
+         "--loss-type cispo caps the IS weight at --epsilon-high itself: give a cap >= 1 (e.g. 5)"),
+        (args.is_min <= args.is_max, f"--is-min {args.is_min} must be <= --is-max {args.is_max}"),
+        (not (args.tis_cap and args.is_correction != "off"),
+         "--tis-cap C is --is-correction token_truncate --is-max C: give one of the two"),
         (args.model is None or os.path.isdir(args.model) or hub_id,
          f"--model {args.model!r}: no such directory (give a local save_pretrained folder "
          f"or a hub id like org/name)"),

@@ -64,8 +64,8 @@ DEFAULT_SYSTEM_PROMPT = (
 _LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
-# The keywords every reward function already gets.
-RESERVED_COLUMNS = ("prompts", "completions", "completion_ids")
+# The keywords every reward function already gets (tool_calls: with --tools).
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "tool_calls")
 
 
 def load_prompt_dataset(name_or_path, *, config=None, split="train", prompt_column="prompt",

@@ -2,10 +2,10 @@
 The policy as the trainer sees it: load a model folder (checked), wrap it for DDP or shard it with
 FSDP2, and run the forward that turns a rollout into the logits and log-probs the loss needs.
 
-    load_tokenizer(path)             -> (tokenizer, context length); ValueError for an unusable folder
+    load_tokenizer(path)             -> (tokenizer, context length); ValueError: unusable folder
     load_model(path, dtype, ...)     the policy (fp32 weights) or a frozen model (in dtype)
     load_reference(policy, ...)      the frozen reference for --beta > 0
-    prompt_batch(prompt_ids, pad)    a rollout's distinct prompts, left-padded, for the forwards below
+    prompt_batch(prompt_ids, pad)    a rollout's distinct prompts, left-padded, for the forwards
     completion_logits(model, ...)    (n, T, V) logits predicting the completions, prefix shared
     selective_log_softmax(logits, ids)  log softmax(logits / temperature)[ids], fp32, chunked
     sequence_logps(model, ...)       (N, T) log-probs of the completions, micro-batch by micro-batch
@@ -52,25 +52,32 @@ def load_tokenizer(path):
         tokenizer = AutoTokenizer.from_pretrained(path)
         config = AutoConfig.from_pretrained(path)
     except Exception as e:  # OSError: a hub id not in the local cache while offline, no config.json
-        raise ValueError(f"--model {path!r}: cannot load its tokenizer or config ({cause(e)})") from None
+        raise ValueError(f"--model {path!r}: cannot load its tokenizer or config "
+                         f"({cause(e)})") from None
     text_config = config.get_text_config()
     vocab = getattr(text_config, "vocab_size", None)
     context = getattr(text_config, "max_position_embeddings", None)
     checks = [
         (len(tokenizer) > 1,
-         f"has no tokenizer (the one loaded has {len(tokenizer)} token): save the model's tokenizer "
+         f"has no tokenizer (the one loaded has {len(tokenizer)} token): save the model's "
+         f"tokenizer "
          f"into the folder (tokenizer.save_pretrained)"),
         (vocab is None or len(tokenizer) <= vocab,
          f"its tokenizer has {len(tokenizer)} tokens but the model's embedding has {vocab} rows "
          f"(vocab_size): use the tokenizer the model was trained with"),
         (tokenizer.pad_token_id is not None or tokenizer.eos_token_id is not None,
-         "its tokenizer has neither a pad nor an EOS token: completions could not end (set eos_token)"),
+         "its tokenizer has neither a pad nor an EOS token: completions could not end "
+         "(set eos_token)"),
         (context is not None, "its config gives no context length (max_position_embeddings)"),
     ]
     for ok, msg in checks:
         if not ok:
             raise ValueError(f"--model {path!r}: {msg}")
     return tokenizer, context
+
+
+def pad_id(tokenizer):
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def _check_weights(path):
@@ -90,10 +97,12 @@ def _check_weights(path):
         try:
             if f.endswith(".safetensors"):
                 safe_open(f, "pt").keys()
-            elif open(f, "rb").read(2) == b"PK":  # torch.save's zip format: the index sits at the end
+            # torch.save's zip format: the index sits at the end
+            elif open(f, "rb").read(2) == b"PK":
                 import zipfile
                 zipfile.ZipFile(f).close()
-        except Exception as e:  # SafetensorError: "incomplete metadata, not fully covered"; BadZipFile
+        # SafetensorError ("incomplete metadata, not fully covered"), BadZipFile
+        except Exception as e:
             raise ValueError(f"--model {path!r}: {os.path.basename(f)} is damaged or cut short ({e}): "
                              f"copy or save the model again") from None
 
@@ -109,7 +118,8 @@ def load_model(path, dtype, device, fsdp=False, lora=None, frozen=False):
     weights_dtype = dtype if frozen or lora else torch.float32
     try:
         m = AutoModelForCausalLM.from_pretrained(path, dtype=weights_dtype)
-    except Exception as e:  # OSError (no weights), SafetensorError (cut short), RuntimeError (shapes)
+    # OSError (no weights), SafetensorError (cut short), RuntimeError (shapes)
+    except Exception as e:
         first_line = str(e).strip().splitlines()[0]
         raise ValueError(f"model {path!r}: cannot load its weights ({first_line})") from None
     if fsdp:
@@ -131,6 +141,18 @@ def load_reference(policy, path, dtype, device, fsdp):
     if is_lora(policy):
         return AdaptersOff(policy)
     return load_model(path, dtype, device, fsdp, frozen=True)
+
+
+def cpu_kv_cache_bytes(config, max_model_len, dtype, ram_fraction, max_num_seqs=256, block=128):
+    """The KV cache of vLLM's default CPU batch, capped at ram_fraction of RAM (vLLM zeroes it)."""
+    text = config.get_text_config()
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    itemsize = getattr(torch, str(dtype).removeprefix("torch.")).itemsize
+    tokens = max_num_seqs * -(-(max_model_len or text.max_position_embeddings) // block) * block
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    need = tokens * 2 * text.num_hidden_layers * heads * head_dim * itemsize  # K and V
+    return int(min(need, ram_fraction * ram))
 
 
 def wrap_ddp(model, device):
@@ -190,10 +212,12 @@ def completion_logits(model, prompts, rows, completion_ids, dtype=torch.float32)
             # 2) the cache, gathered to the n completions (a differentiable index)
             cache.batch_select_indices(row)  # (b, ...) -> (n, ...) per layer
         # 3) each completion on top of it, fed [last prompt token, completion[:-1]]
-        tail = torch.arange(1, T, device=ids.device)  # completion[:-1] follows the prompt's last position
+        # completion[:-1] follows the prompt's last position
+        tail = torch.arange(1, T, device=ids.device)
         input_ids = torch.cat([ids[row, S:], completion_ids[:, :-1]], 1)  # (n, P-S+T-1)
-        attention_mask = torch.cat([mask[row], torch.ones_like(completion_ids[:, :-1])], 1)  # (n, P+T-1)
-        position_ids = torch.cat([positions[row, S:], positions[row, -1:] + tail], 1)  # (n, P-S+T-1)
+        ones = torch.ones_like(completion_ids[:, :-1])  # (n, T-1)
+        attention_mask = torch.cat([mask[row], ones], 1)  # (n, P+T-1)
+        position_ids = torch.cat([positions[row, S:], positions[row, -1:] + tail], 1)  # (n, ...)
         return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                      past_key_values=cache, use_cache=False, logits_to_keep=T).logits  # (n, T, V)
 

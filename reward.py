@@ -2,7 +2,8 @@
 
 The contract is TRL GRPOTrainer's: fn(completions, **columns) -> list[float | None], called once
 per batch with completions (N strings, or N conversations [{"role": "assistant", "content": ...}]),
-prompts, completion_ids (N lists of token ids) and every other dataset column, each a list of N.
+prompts, completion_ids (N lists of token ids), every other dataset column, each a list of N, and
+with --tools tool_calls (tools.py; the texts and ids then hold the tool outputs too).
 compute_rewards stacks F of them into (N, F), NaN for None (advantage.py skips it), each run in a
 thread under --reward-timeout; score does it for a rollout and stops every rank if one fails.
 Built-ins, by name (REWARD_FUNCS): accuracy_reward and reasoning_accuracy_reward (math-verify),
@@ -130,12 +131,8 @@ def get_soft_overlong_punishment(max_completion_len, soft_punish_cache):
                          f"{soft_punish_cache} and {max_completion_len}")
     free = max_completion_len - soft_punish_cache
 
-    def punishment(n):
-        if n <= free:
-            return 0.0
-        if n > max_completion_len:
-            return -1.0
-        return (free - n) / soft_punish_cache
+    def punishment(n):  # 0 up to free, then down to -1 at max_completion_len, and -1 beyond
+        return min(0.0, max(-1.0, (free - n) / soft_punish_cache))
 
     def soft_overlong_punishment(completions, completion_ids, **kw):
         return [punishment(len(ids)) for ids in completion_ids]
@@ -282,7 +279,10 @@ def score(funcs, rows, rollout, conversational, timeout):
     """Rewards (N, F) of a rollout (rows: its dataset row per completion), NaN for no opinion. A
     reward that raised, exited or took over timeout seconds stops every rank alike."""
     columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
-    lengths = rollout.completion_mask.sum(1).int().tolist()  # (N,)
+    if hasattr(rollout, "tool_calls"):  # --tools: each completion's calls (tools.ToolRollout)
+        columns["tool_calls"] = rollout.tool_calls
+    # (N,) every token: the policy's and, with --tools, the tool outputs'
+    lengths = (rollout.completion_mask + getattr(rollout, "tool_mask", 0)).sum(1).int().tolist()
     ids = [c[:k] for c, k in zip(rollout.completion_ids.tolist(), lengths)]
     texts = rollout.texts
     if conversational:

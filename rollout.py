@@ -16,7 +16,6 @@ Simplifications:
 7. On CPU, VLLMEngine sizes the KV cache to the need, and runs eagerly what vLLM's sampler compiles.
 """
 import gc
-import inspect
 import itertools
 import logging
 import os
@@ -29,14 +28,14 @@ from torch.distributed.tensor import DTensor
 
 from common import all_ranks_ok, private_rng, unwrap
 from lora import full_named_parameters
-from model import sequence_batch
+from model import cpu_kv_cache_bytes, pad_id, sequence_batch
 
 
 @dataclass
 class Rollout:
     prompt_ids: list[list[int]]     # (N,) each completion's prompt: each prompt G times
     completion_ids: torch.Tensor    # (N, T) long, right-padded with the pad id
-    completion_mask: torch.Tensor   # (N, T) float, 1 up to and including EOS, 0 after
+    completion_mask: torch.Tensor   # (N, T) float, 1 up to and including EOS (0 at tool outputs)
     sampling_logps: torch.Tensor    # (N, T) float32, the sampler's logprobs, 0 where masked
     is_finished: torch.Tensor       # (N,) bool, EOS sampled (False: cut at max_new_tokens)
     texts: list[str]                # (N,) completions decoded up to (excluding) EOS
@@ -56,23 +55,8 @@ def build_rollout(prompt_ids, G, completions, logps, finished, pad_id, tokenizer
                    sampling_logps, torch.tensor(finished, dtype=torch.bool), texts)
 
 
-def pad_id(tokenizer):
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-
 def call_seed(seed, call):
     return seed * 1_000_003 + call  # distinct per (seed, call) below a million calls
-
-
-def cpu_kv_cache_bytes(config, max_model_len, dtype, ram_fraction, max_num_seqs=256, block=128):
-    """The KV cache of vLLM's default CPU batch, capped at ram_fraction of RAM (vLLM zeroes it)."""
-    text = config.get_text_config()
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    itemsize = getattr(torch, str(dtype).removeprefix("torch.")).itemsize
-    tokens = max_num_seqs * -(-(max_model_len or text.max_position_embeddings) // block) * block
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(min(tokens * 2 * text.num_hidden_layers * heads * head_dim * itemsize, ram_fraction * ram))
 
 
 def process_logits(logits, seen, temperature, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0):
@@ -284,17 +268,33 @@ class HFEngine(Engine):
         return dict(seconds=0.0, bytes=0)  # it samples with the trainer's own parameters
 
 
-def make_engine(kind="auto", *, model=None, tokenizer=None, model_path=None, **engine_kwargs):
-    if kind == "auto":
-        try:
-            import vllm  # noqa: F401
-            kind = "vllm"
-        except Exception as e:  # ImportError, or a broken install (CUDA torchvision, CPU torch)
-            print(f"rollout engine: vLLM unavailable ({type(e).__name__}: {e}); using the HF engine")
-            kind = "hf"
+def pick_engine(kind, model, tensor_parallel_size=1):
+    """--engine "auto" | "vllm" | "hf" -> ("vllm" or "hf", why in a few words). On a CPU vLLM's
+    per-step scheduling costs more than a small model's forward: the HF loop is faster below ~25M
+    parameters, vLLM from there on with long completions (docs/benchmarks.md: Rollouts)."""
+    if kind != "auto":
+        return kind, "--engine " + kind
+    n = sum(p.numel() for p in model.parameters()) / 1e6
+    if torch.cuda.is_available():
+        why = "auto: a GPU"
+    elif tensor_parallel_size > 1:
+        why = "auto: --vllm-tp"
+    elif n < 25:
+        return "hf", f"auto: a CPU and {n:.2f}M params, where the HF loop is faster (< 25M)"
+    else:
+        why = f"auto: a CPU and {n:.0f}M params, where vLLM is faster (>= 25M)"
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install (CUDA torchvision, CPU torch)
+        return "hf", f"auto: vLLM unavailable ({type(e).__name__}: {e})"
+    return "vllm", why
+
+
+def make_engine(kind, *, model, tokenizer, model_path, seed=0, dtype="float32", **vllm_kwargs):
+    """"vllm": VLLMEngine(model_path, ...), "hf": HFEngine(model, tokenizer, ...). The client of a
+    rollout server is server.RemoteEngine."""
     if kind == "vllm":
-        return VLLMEngine(model_path, **engine_kwargs)
+        return VLLMEngine(model_path, seed=seed, dtype=dtype, **vllm_kwargs)
     if kind != "hf":
-        raise ValueError(f"engine kind must be 'auto', 'vllm' or 'hf', got {kind!r}")
-    takes = inspect.signature(HFEngine).parameters  # one set of kwargs for every kind
-    return HFEngine(model, tokenizer, **{k: v for k, v in engine_kwargs.items() if k in takes})
+        raise ValueError(f"engine kind must be 'vllm' or 'hf' (pick_engine), got {kind!r}")
+    return HFEngine(model, tokenizer, seed=seed, dtype=dtype)

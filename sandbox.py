@@ -1,6 +1,7 @@
 """
-Code-execution reward: the fraction of its sample's unit tests that a completion's last ```python
-block passes, run in a sandboxed subprocess (0.0: no code, a hang, an early exit).
+Python in a sandboxed subprocess. code_reward: the fraction of its sample's unit tests that a
+completion's last ```python block passes (0.0: no code, a hang, an early exit). run_code (the tool
+mode, tools.py): what a program printed (OUTPUT_CHARS at most), its traceback, or how it stopped.
 
 The `tests` column holds per sample (a) a list of assert statements, one test each, or (b) a string
 of code defining top-level `def test_*():` functions. The program runs once as module `solution` (no
@@ -27,7 +28,7 @@ N5. Root without CAP_SYS_ADMIN (Docker): no namespaces: /tmp is writable and onl
     trainer, RLIMIT_NPROC counts all the user's processes, and setsid escapes the timeout.
 
 Run: python sandbox.py   (scores the built-in task's reference solutions: all 1.0)
-Run the tests: python -m pytest -q tests/test_sandbox.py
+Run the tests: python -m pytest -q tests/test_sandbox.py tests/test_tools.py
 """
 import ast
 import fcntl
@@ -49,6 +50,7 @@ MAX_PROCS = 8  # RLIMIT_NPROC: processes and threads of the program's uid (root 
 FILE_MB = 16  # largest file
 TMPFS_MB = 64  # working dir size
 MAX_FILES = 64  # open files
+OUTPUT_CHARS = 4096  # tool mode: printed characters kept; one more stops the program
 WORKERS = os.cpu_count() or 1  # programs run in parallel
 SANDBOX_UID = 64000  # the first uid/gid programs run as: a range no one on the host uses
 UIDS = 256  # programs run as SANDBOX_UID .. SANDBOX_UID + UIDS - 1
@@ -78,7 +80,7 @@ def kill_all(uid):
 
 # Runs in the child: isolate (as root), drop to the program's uid, set limits, run, report.
 _HARNESS = r'''
-import ctypes, json, os, resource, sys
+import ctypes, io, json, os, resource, sys, traceback
 def private_ancestor(path):  # the topmost dir above path that others cannot enter, if any
     parts = path.strip("/").split("/")
     ancestors = ["/" + "/".join(parts[:i]) for i in range(1, len(parts))]
@@ -94,6 +96,16 @@ MS_BIND = 4096
 MS_REC = 1 << 14
 MS_PRIVATE = 1 << 18
 libc = ctypes.CDLL(None, use_errno=True)
+class Output(io.StringIO):  # tool mode's stdout and stderr: `limit` characters, then it stops
+    def write(self, s):
+        super().write(s[:self.limit + 1 - self.tell()])  # never a copy of a flood
+        if self.tell() > self.limit:
+            self.report("Killed", f"Killed: output over {self.limit} characters")
+        return len(s)
+    def report(self, status, why=""):  # one line to the trainer, then the end of the program
+        text = "\n".join(filter(None, [self.getvalue()[:self.limit], why]))
+        os.write(self.fd, f"{self.nonce} output {status} {text.encode().hex()}\n".encode())
+        os._exit(0)
 def main():  # everything is local to main(): the program's globals are a separate dict
     job = json.loads(sys.stdin.buffer.read())
     os.dup2(os.open(os.devnull, os.O_RDWR), 0)  # the job (with its nonce) is gone from stdin
@@ -137,11 +149,19 @@ def main():  # everything is local to main(): the program's globals are a separa
     tests = job["tests"]
     os.write(fd, f"{nonce} ready\n".encode())  # setup done; from here on, errors are the program's
     os.dup2(0, 2)  # stderr (a pipe to the trainer until now) goes to /dev/null too
+    out = None
+    if job.get("capture"):  # tool mode: print() and tracebacks go to a bounded buffer
+        out = sys.stdout = sys.stderr = Output()
+        out.fd, out.nonce, out.limit = fd, nonce, job["capture"]
     namespace = {"__name__": "solution", "__builtins__": __builtins__}
     try:
         exec(compile(job["program"], "solution.py", "exec"), namespace)
-    except BaseException:
-        pass  # what it defined before failing still gets tested
+    except BaseException as e:  # tests: what it defined before failing still gets tested
+        if out and not isinstance(e, SystemExit):
+            traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+            out.report("error")
+    if out:
+        out.report("ok")
     if isinstance(tests, str):
         try:
             exec(compile(tests, "tests.py", "exec"), namespace)
@@ -189,17 +209,41 @@ def count_tests(tests):
 def run_tests(program, tests, timeout_s=None):
     """Run `program` then its `tests` in the sandbox -> (passed, total, status), status one of
     "ok", "timeout", "exited" (ended before all tests ran: sys.exit/os._exit/crash/killed)."""
+    total, test_names = count_tests(tests)
+    job = dict(program=program, tests=tests, test_names=test_names)
+    records, timed_out = run_job(job, TIMEOUT_S if timeout_s is None else timeout_s)
+    done = [record.split()[1:] for record in records if record.startswith("done")]
+    if not done:
+        return 0, total, "timeout" if timed_out else "exited"
+    return len({int(i) for i in done[0] if i.isdigit() and int(i) < total}), total, "ok"
+
+
+def run_code(program, timeout_s=None):
+    """Tool mode: `program` once in the sandbox -> (what it printed, then how it ended unless it ran
+    to the end, status): "ok", "error" (the text ends with the traceback), "Timeout" or "Killed"
+    (over OUTPUT_CHARS of output, a limit, a signal, an exit). The last report counts (N2)."""
+    timeout_s = TIMEOUT_S if timeout_s is None else timeout_s
+    records, timed_out = run_job(dict(program=program, tests=[], capture=OUTPUT_CHARS), timeout_s)
+    reports = re.findall(r"^output (\w+) ((?:[0-9a-f]{2})*)$", "\n".join(records), re.MULTILINE)
+    if reports:
+        return bytes.fromhex(reports[-1][1]).decode(errors="replace"), reports[-1][0]
+    if timed_out:
+        return f"Timeout: over {timeout_s:g} s", "Timeout"
+    return "Killed: it ended before its output was in (a limit, a signal or an exit)", "Killed"
+
+
+def run_job(job, timeout_s):
+    """One program in the sandbox -> (its nonce-tagged records, the nonce dropped; timed out?)."""
     with _slots:  # blocks while WORKERS programs of this process are running
         uid, lock = take_uid() if os.geteuid() == 0 else (None, None)
         try:
-            return run_as(uid, program, tests, TIMEOUT_S if timeout_s is None else timeout_s)
+            return run_as(uid, job, timeout_s)
         finally:
             if lock is not None:
                 os.close(lock)  # the uid is free again: none of its processes is left
 
 
-def run_as(uid, program, tests, timeout_s):
-    total, test_names = count_tests(tests)
+def run_as(uid, job, timeout_s):
     if uid is not None:
         kill_all(uid)  # what a trainer killed mid-program left behind as this uid
     workdir = tempfile.mkdtemp(prefix="tinygrpo-sandbox-")
@@ -207,8 +251,8 @@ def run_as(uid, program, tests, timeout_s):
     nonce = secrets.token_hex(16)
     limits = {"RLIMIT_CPU": CPU_S, "RLIMIT_AS": MEM_MB << 20, "RLIMIT_NPROC": MAX_PROCS,
               "RLIMIT_FSIZE": FILE_MB << 20, "RLIMIT_NOFILE": MAX_FILES, "RLIMIT_CORE": 0}
-    job = dict(program=program, tests=tests, test_names=test_names, nonce=nonce, result_fd=write_fd,
-               uid=uid, workdir=workdir, tmpfs_mb=TMPFS_MB, limits=limits)
+    job = dict(job, nonce=nonce, result_fd=write_fd, uid=uid, workdir=workdir, tmpfs_mb=TMPFS_MB,
+               limits=limits)
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8",
            "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # threads count as processes
     try:
@@ -242,10 +286,7 @@ def run_as(uid, program, tests, timeout_s):
     lines = records.decode(errors="replace").splitlines()
     if f"{nonce} ready" not in lines and not timed_out:
         raise RuntimeError(f"sandbox failed to start:\n{setup_err.decode(errors='replace')}")
-    done = [line.split()[2:] for line in lines if line.startswith(f"{nonce} done")]
-    if not done:
-        return 0, total, "timeout" if timed_out else "exited"
-    return len({int(i) for i in done[0] if i.isdigit() and int(i) < total}), total, "ok"
+    return [line[len(nonce) + 1:] for line in lines if line.startswith(f"{nonce} ")], timed_out
 
 
 def code_reward(completions, tests, **kw):
@@ -265,8 +306,7 @@ def code_reward(completions, tests, **kw):
         return list(pool.map(score, programs, tests))
 
 
-# --- A built-in example task: small functions, each with assert tests and a reference solution.
-CODE_PROBLEMS = [
+CODE_PROBLEMS = [  # a built-in example task: small functions, assert tests, reference solutions
     ("add(a, b)", "returns the sum of a and b", "def add(a, b):\n    return a + b\n",
      ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(10, 5) == 15"]),
     ("is_palindrome(s)", "returns True if the string s reads the same backwards",

@@ -154,10 +154,10 @@ def make_word_problems(n, seed=0, digits=2, ops="+-*/", two_step=0.5):
     now?" -> "19". Every answer is a whole number >= 1.
 
     digits: operand size, each operand drawn up to 10**digits - 1 (and from 2; a division's
-    total is the product of two); ops: the first step's operations, "+" (buys more), "-" (gives some away),
-    "*" (bags of k each), "/" (shares equally); two_step: the fraction of problems with a second
-    step, + or -, on the first one's result. The prompts of one call are all different: hold a
-    test set out with a disjoint slice of one call, or another seed."""
+    total is the product of two); ops: the first step's operations, "+" (buys more), "-" (gives
+    some away), "*" (bags of k each), "/" (shares equally); two_step: the fraction of problems
+    with a second step, + or -, on the first one's result. The prompts of one call are all
+    different: hold a test set out with a disjoint slice of one call, or another seed."""
     rng = random.Random(seed)
     high = 10 ** digits - 1
     rows = []

@@ -14,8 +14,7 @@ A hub model on GSM8K, 8 GPUs (README: the GPU recipe):
     torchrun --nproc_per_node 8 train.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset openai/gsm8k \\
         --dataset-config main --prompt-column question --solution-column answer
 
-Every knob is a flag in config.py (`python train.py --help`); a flag left at None takes the recipe's
-value (config.defaults: the built-in task's, or R1's for a --dataset).
+Every knob is a flag in config.py (`python train.py --help`); None takes config.defaults' recipe.
 The stages: rollout.py (sample) -> reward.py (score) -> advantage.py (group z-score) -> loss.py
 (PPO-clip loss; kernels/ on GPUs) -> rollout.py (sync weights). model.py holds the forward,
 data.py the prompts, checkpoint.py saving and resuming.
@@ -25,13 +24,12 @@ Simplifications (each is a choice, not an accident):
    own share of prompts, and the G completions of a prompt stay on one rank. Rewards are all-gathered
    (they are tiny), so advantages and the logged numbers are over the whole batch.
 2. old_logps are recomputed by the trainer only when the update can go off-policy (mu > 1, several
-   minibatches, or truncated importance sampling); otherwise the ratio is exactly 1 and only its
+   minibatches, or --is-correction); otherwise the ratio is exactly 1 and only its
    gradient matters (clipping never fires, as in nanochat's chat_rl.py). --async: the sampler's.
 3. The reference model (beta > 0) is the initial policy, frozen (LoRA: the policy, adapters off).
    The LR schedule is a linear warmup, then a cosine to lr/10 over all optimizer steps.
 4. A checkpoint holds everything a bit-exact resume needs (checkpoint.py); the data order is a pure
-   function of seed and prompts consumed (one round of --prompts-per-step a step, more with
-   --dynamic-sampling).
+   function of seed and prompts consumed (--prompts-per-step a step; more with --dynamic-sampling).
 5. Mixed precision: --dtype is the compute dtype (autocast); the policy and AdamW stay fp32, the
    reference and the rollout engine hold --dtype weights (model.py).
 """
@@ -62,12 +60,13 @@ from advantage import compute_advantages, dynamic_sampling
 from common import (barrier, ddp, fail, in_background, mark, master, print0, rank, require,
                     result_everywhere, seed_all, setup, startup_line, step_line, world)
 from lora import lora_config
-from loss import minibatch_tokens, policy_loss, resolve_impl, step_metrics
+from loss import choose_impl, loss_options, minibatch_tokens, policy_loss, step_masks, step_metrics
 from model import (completion_logits, load_model, load_reference, load_tokenizer,
                    prompt_batch, sequence_logps, wrap_ddp)
 from reward import get_reward_funcs, pass_at_k, score
-from rollout import make_engine, pad_id
+from rollout import make_engine, pad_id, pick_engine
 from server import RemoteEngine
+from tools import tool_metrics, with_tools
 
 # -----------------------------------------------------------------------------
 # The flags (config.py), then the rules between them, before any heavy work
@@ -97,7 +96,7 @@ if args.wandb:
 
 # -----------------------------------------------------------------------------
 # Setup: data, model, reference, optimizer, rollout engine, the resumed state
-loss_impl = resolve_impl(args.loss_impl, device, args.importance_sampling_level)
+loss_impl, loss_why = choose_impl(args.loss_impl, device, args.importance_sampling_level)
 init_path = os.path.join(args.out_dir, "init_model") if tiny else args.model  # the reference
 model_path = os.path.join(resume_from, "model") if resume_from else init_path  # the policy now
 if tiny and not resume_from and master:  # rank 0 builds the tiny model; every rank and vLLM load it
@@ -131,18 +130,21 @@ model = wrap_ddp(raw_model, device) if ddp and not args.fsdp else raw_model
 trained = [p for p in raw_model.parameters() if p.requires_grad]  # LoRA: the adapters only
 optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay)
 mark("models")
+engine_kind, engine_why = pick_engine(args.engine, raw_model, args.vllm_tp)
 if args.vllm_mode == "server":
     engine = RemoteEngine(args.vllm_url, tokenizer, seed=args.seed + rank)
+    engine_why = "--vllm-mode server"
 else:
     try:
         engine = make_engine(
-            args.engine, model=raw_model, tokenizer=tokenizer, model_path=model_path,
+            engine_kind, model=raw_model, tokenizer=tokenizer, model_path=model_path,
             seed=args.seed + rank // args.vllm_tp,  # a tensor-parallel group samples as one engine
             dtype=str(dtype).removeprefix("torch."), gpu_memory_utilization=args.vllm_memory,
             max_model_len=prompt_limit + args.max_new_tokens, tensor_parallel_size=args.vllm_tp)
     except ImportError as e:
         fail(f"--engine {args.engine}: vLLM is not installed ({e}); pip install -r "
              f"requirements-cpu.txt, or use --engine hf")
+engine = with_tools(engine, tokenizer, args)  # --tools python: ToRL's tool loop (tools.py)
 start_step = 0
 opt_step = 0
 consumed = 0  # prompts drawn so far (data.batch_indices)
@@ -156,16 +158,12 @@ if args.vllm_mode == "server":  # the server may hold other weights (a restart, 
 mark("engine")
 n_params = sum(p.numel() for p in raw_model.parameters())
 n_trained = sum(p.numel() for p in trained)
-print0(f"engine {type(engine).__name__}, {world} rank(s), device {device}, loss {loss_impl}, "
-       f"{n_params / 1e6:.2f}M params ({n_trained / 1e6:.3g}M trained), "
-       f"{len(train_rows)} train prompts")
+print0(f"engine {type(engine).__name__} ({engine_why}), {world} rank(s), device {device}, "
+       f"loss {loss_impl} ({loss_why}), {n_params / 1e6:.2f}M params "
+       f"({n_trained / 1e6:.3g}M trained), {len(train_rows)} train prompts")
 wandb_run = wandb.init(project=args.wandb, config=vars(args)) if wandb and master else None
 # the loss's hyperparameters: the same for every micro-batch
-loss_hparams = dict(loss_type=args.loss_type, temperature=args.temperature,
-                    epsilon_low=args.epsilon_low, epsilon_high=args.epsilon_high, beta=args.beta,
-                    entropy_coef=args.entropy_coef, tis_cap=args.tis_cap,
-                    importance_sampling_level=args.importance_sampling_level,
-                    max_completion_length=args.max_new_tokens, impl=loss_impl)
+loss_hparams = loss_options(args, loss_impl)
 
 
 def sample(consumed):
@@ -284,22 +282,26 @@ for step in bar:
     prompts = [x.to(device) for x in prompt_batch(rollout.prompt_ids, pad_id(tokenizer))]
     model.eval()  # no dropout: the ratio must compare the same function
     by_micro = dict(temperature=args.temperature, micro=micro, dtype=dtype)
-    off_policy = args.num_iterations > 1 or minibatch < N or args.tis_cap > 0
+    is_corrected = loss_hparams["is_correction"] != "off"  # against the sampler's log-probs
+    off_policy = args.num_iterations > 1 or minibatch < N or is_corrected
     old_logps = None  # (N, T), None: on-policy, the ratio is 1 (simplification 2)
-    if args.async_ and not args.tis_cap:  # the behaviour policy's (README: --async)
+    if args.async_ and not is_corrected:  # the behaviour policy's (README: --async)
         old_logps = sampling_logps
     elif off_policy:
         old_logps = sequence_logps(raw_model, prompts, completion_ids, **by_micro)
     ref_logps = None  # (N, T)
     if ref_model is not None:
         ref_logps = sequence_logps(ref_model, prompts, completion_ids, **by_micro)
+    # (N,) truncated, (N, T) high-entropy tokens over all ranks: only for the flags that ask
+    masks = step_masks(args, raw_model, prompts, rollout, **by_micro)
     micro_metrics, grad_norms = [], []
     for _ in range(args.num_iterations):
         for mb in range(0, N, minibatch):
             for g in optimizer.param_groups:
                 g["lr"] = cosine_lr(opt_step, opt_steps_total, args.lr, args.warmup_steps)
             # all ranks' unmasked tokens / ranks: DDP averages the gradients
-            mb_tokens = minibatch_tokens(completion_mask[mb:mb + minibatch])
+            truncated = rows_of(masks.get("truncated"), slice(mb, mb + minibatch))  # (minibatch,)
+            mb_tokens = minibatch_tokens(completion_mask[mb:mb + minibatch], truncated)
             for mc in range(mb, mb + minibatch, micro):
                 r = slice(mc, mc + micro)
                 # reduce gradients once per minibatch (nanoGPT's trick)
@@ -312,8 +314,8 @@ for step in bar:
                 loss, metrics = policy_loss(
                     logits, completion_ids[r], advantages[r], completion_mask[r],
                     old_logps=rows_of(old_logps, r), ref_logps=rows_of(ref_logps, r),
-                    sampling_logps=sampling_logps[r], minibatch_size=minibatch,
-                    minibatch_tokens=mb_tokens, **loss_hparams)
+                    sampling_logps=sampling_logps[r], minibatch_size=minibatch, **loss_hparams,
+                    minibatch_tokens=mb_tokens, **{k: v[r] for k, v in masks.items()})
                 loss.backward()
                 micro_metrics.append(metrics)
             max_norm = args.grad_clip or float("inf")
@@ -345,12 +347,12 @@ for step in bar:
     record["adv_mean"] = advantages.mean().item()
     record["adv_abs_mean"] = advantages.abs().mean().item()
     record["lr"] = cosine_lr(opt_step - 1, opt_steps_total, args.lr, args.warmup_steps)
-    entropy_sum = -(sampling_logps * completion_mask).sum().item()
-    record["sampled_entropy"] = entropy_sum / completion_mask.sum().item()
+    record["sampled_entropy"] = -(sampling_logps * completion_mask).sum().item() / lengths.sum().item()
     record["len_mean"] = lengths.mean().item()
     record["len_min"] = lengths.min().item()
     record["len_max"] = lengths.max().item()
     record["truncated"] = 1 - rollout.is_finished.float().mean().item()
+    record.update(tool_metrics(rollout))  # --tools: tool_calls_mean, tool_error_rate, tool_seconds
     if sampler_version is not None:  # server mode: which weights sampled it, which trained on it
         record["sampler_version"] = sampler_version
         record["policy_version"] = step - 1

@@ -12,6 +12,8 @@ run. From the repo root:
     python -m bench update             # the update's forward + backward: prefix-shared vs whole
     python -m bench runs OUT [OUT ...] # train.py out-dirs: median step, stages, time to >= 0.95
     python -m bench trl --seeds 0 1 2  # TRL's GRPOTrainer vs train.py (HF, vLLM) (needs trl)
+    python -m bench real --max-minutes 15  # SmolLM2-135M-Instruct learns word problems (CPU)
+    python -m bench tools_run          # --tools python vs no tools: 4-5 digit products, SmolLM2
 
 `gpu` runs three sections, each printed as it goes and written to --out (JSON, default
 bench_gpu.json) after each one. Models are built from configs (random init), nothing is downloaded.

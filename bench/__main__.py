@@ -16,6 +16,8 @@ MODES = {
     "update": ("update", "bench_update"),
     "runs": ("runs", "bench_runs"),
     "trl": ("runs", "bench_trl"),
+    "real": ("real", "bench_real"),
+    "tools_run": ("tools_run", "bench_tools_run"),
     # one setting of `memory`, in the subprocess it starts
     "_memory_step": ("memory", "memory_step"),
 }
@@ -49,7 +51,9 @@ def parse_args():
     parser.add_argument("--seeds", type=int, nargs="+", default=[0],
                         help="trl: one comparison per seed")
     parser.add_argument("--steps", type=int, default=None,
-                        help="trl: GRPO steps of each run (default 700)")
+                        help="trl: GRPO steps of each run (default: train.py's)")
+    parser.add_argument("--eval-every", type=int, default=25,
+                        help="trl: held-out evaluation every N steps, both trainers")
     # _memory_step: its one setting
     parser.add_argument("--micro", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--completions", type=int, default=16, help=argparse.SUPPRESS)

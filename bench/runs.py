@@ -52,9 +52,9 @@ def bench_runs(args):
         print(line)
 
 
-def trl_timer(recipe, steps, tokenizer, eval_rows):
+def trl_timer(recipe, steps, tokenizer, eval_rows, eval_every):
     """A TrainerCallback: the wall clock at each step's end less the evaluations (as train.py logs
-    it), and the held-out greedy accuracy every 50 steps."""
+    it), and the held-out greedy accuracy every eval_every steps."""
     from transformers import TrainerCallback
 
     from reward import exact_match_reward
@@ -71,7 +71,7 @@ def trl_timer(recipe, steps, tokenizer, eval_rows):
         def on_step_end(self, targs, state, control, model=None, **_):
             now = time.time()
             record = dict(step=state.global_step, elapsed=now - self.t0 - self.excluded)
-            if state.global_step % 50 == 0 or state.global_step == steps:
+            if state.global_step % eval_every == 0 or state.global_step == steps:
                 greedy = HFEngine(model, tokenizer).generate(eval_ids, 1, recipe["max_new_tokens"],
                                                              temperature=0.0)
                 record["eval_greedy"] = statistics.mean(exact_match_reward(greedy.texts, solutions))
@@ -86,9 +86,9 @@ def bench_trl(args):
     default task and recipe, per seed, one after the other: the same tiny model
     (task.save_tiny_model), data, rewards and weights, 32 prompts x G = 8 a step, one optimizer step
     per batch, lr 3e-4 (10 warmup steps, cosine to lr/10), entropy bonus 0.1, beta 0, eps 0.2, grad
-    clip 1, loss "grpo", 1 torch thread; held-out greedy accuracy on the same 500 prompts every 50
-    steps (not timed). Prints s/step, the first step >= 0.95, the training time to it and the wall
-    time."""
+    clip 1, loss "grpo", 1 torch thread; held-out greedy accuracy on the same 500 prompts every
+    --eval-every steps (not timed). Prints s/step, the first step >= 0.95, the training time to it
+    and the wall time."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import config
@@ -102,7 +102,9 @@ def bench_trl(args):
     # TRL's dependency
     import datasets
 
-    recipe, steps, rows = config.defaults(True, True, 3), args.steps or 700, []
+    recipe = config.defaults(True, True, 3)
+    steps = args.steps or config.parser.get_default("steps")
+    rows = []
     for seed in args.seeds:
         work = tempfile.mkdtemp(prefix="bench_trl_")
         t_start = time.time()
@@ -113,7 +115,7 @@ def bench_trl(args):
         train_rows, eval_rows = data.load_rows(None, digits=3, eval_size=500, seed=seed,
                                                config=None, split="train", eval_split="test",
                                                prompt_column="prompt", solution_column="solution")
-        timer = trl_timer(recipe, steps, tokenizer, eval_rows)
+        timer = trl_timer(recipe, steps, tokenizer, eval_rows, args.eval_every)
         # fp32, as ours
         grpo_config = trl.GRPOConfig(
             output_dir=work, max_steps=steps, per_device_train_batch_size=32 * 8,
@@ -133,11 +135,12 @@ def bench_trl(args):
         trainer.train()
         name = f"TRL {trl.__version__} GRPOTrainer"
         rows.append((name, seed, *run_summary(timer.records), time.time() - t_start))
-        for name, engine, folder in (("tinygrpo --engine hf", ["--engine", "hf"], "hf"),
-                                     ("tinygrpo (default: vLLM)", [], "vllm")):
+        for name, engine, folder in (("tinygrpo (default: auto)", [], "auto"),
+                                     ("tinygrpo --engine vllm", ["--engine", "vllm"], "vllm")):
             out, t0 = os.path.join(work, folder), time.time()
             cmd = [sys.executable, "train.py", "--seed", str(seed), "--steps", str(steps),
-                   "--out-dir", out, "--threads", str(args.threads), *engine]
+                   "--out-dir", out, "--threads", str(args.threads),
+                   "--eval-every", str(args.eval_every), *engine]
             subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
             rows.append((name, seed, *run_summary(read_metrics(out)), time.time() - t0))
         trl_median, trl_to = rows[-3][2], rows[-3][4]
@@ -148,5 +151,5 @@ def bench_trl(args):
             if to_095 and trl_to:
                 line += f" ({trl_to / to_095:.2f}x)"
             print(line + f" | wall {wall:.0f} s", flush=True)
-        print(f"seed {seed}: train.py's runs are in {work}/hf and {work}/vllm "
+        print(f"seed {seed}: train.py's runs are in {work}/auto and {work}/vllm "
               f"(python -m bench runs ... for stages)")

@@ -1,49 +1,44 @@
-"""The GRPO per-token loss fused into one Triton kernel per direction: logits in, loss and
-dlogits out.
+"""The GRPO per-token loss fused into one Triton kernel per direction: logits in, loss, dlogits out.
 
 The (B, T, V) logits are the only big tensor of the policy update: bf16 logits for 32k tokens of
 Qwen's V = 151,936 take 10 GB, and a plain log_softmax adds an fp32 copy of 20 GB (the usual GRPO
-OOM; Liger-Kernel's triton_grpo_loss, PR #672, fuses it the same way). Here each program walks
-one row of V logits with an online log-sum-exp (Milakov & Gimelshein 2018) and keeps only O(1)
-numbers per row; the backward recomputes the softmax from them. Extra memory: O(B*T); with
-inplace_backward the gradient even reuses the logits' storage.
+OOM; Liger-Kernel's triton_grpo_loss fuses it the same way). Each program walks one row of V logits
+with an online log-sum-exp (Milakov & Gimelshein 2018), keeping O(1) numbers per row; the backward
+recomputes the softmax from them. Extra memory: O(B*T); inplace_backward writes dlogits in place.
 
 Forward, per unmasked token (b, t) with x = logits[b, t] (raw), id = ids[b, t], T = temperature:
     m = max_v x_v,  d_v = (x_v - m) / T,  s = sum_v exp(d_v)   (one pass over V in blocks, fp32)
     logp  = d_id - log s                       (= log_softmax(x / T)[id])
     ratio = exp(logp - old_logp)               (exactly 1 when old_logps is None: on-policy)
-    pg    = -min(ratio * A_b, clamp(ratio, 1 - eps_low, 1 + eps_high) * A_b) * w
-                                               (w = is_weight or 1)
-    kl    = exp(ref_logp - logp) - (ref_logp - logp) - 1          (k3, when beta != 0)
+    pg    = w * objective (loss.py's pg_t; w = token_weight or 1):
+            "clip"  -min(ratio * A_b, clamp(ratio, 1 - eps_low, 1 + eps_high) * A_b)
+            "cispo" -sg(min(ratio, eps_high)) * A_b * logp
+            "sapo"  -sigmoid(tau (ratio - 1)) * 4 / tau * A_b, tau = tau_pos if A_b > 0 else tau_neg
+    kl    = exp(ref_logp - logp) - (ref_logp - logp) - 1  (k3, if beta; kl_bias_correction: * ratio)
     H     = log s - mu,  mu = sum_v p_v d_v,  p = softmax(x / T)   (when entropy_coef != 0)
     loss  = pg + beta * kl - entropy_coef * H  (masked tokens: 0, without a pass over V)
 The max is taken on the raw logits and subtracted before dividing by T: x - m is exact in fp32
-near the max, so large logits (1e4) lose nothing, where x / T - max(x / T) loses
-ulp(1e4 / T) ~ 1e-3.
+near the max, so large logits (1e4) lose nothing (x / T - max(x / T) loses ulp(1e4 / T) ~ 1e-3).
 Backward, with g = d Loss / d loss (the upstream gradient of the per-token loss):
-    dloss/dlogp = -A * ratio * w * u + beta * (1 - exp(ref_logp - logp))
-                  u = 1 if the min picks the unclipped side, 0 if the clipped one; at a tie
-                  PyTorch's torch.minimum sends half to each side and clamp passes its bounds:
-                  u = 1 inside [1 - eps_low, 1 + eps_high] (bounds included), 1/2 outside
-    dlogp/dx_j  = ([j == id] - p_j) / T
-    dH/dx_j     = -p_j (x_j / T - sum_k p_k x_k / T) / T = -p_j (d_j - mu) / T
+    dpg/dlogp   = w * (clip: -A * ratio * u;  cispo: -sg(min(ratio, eps_high)) * A;
+                  sapo: -4 A * sigma (1 - sigma) * ratio, sigma = sigmoid(tau (ratio - 1)))
+                  u = 1 if the min picks the unclipped side, 0 if the clipped one; at a tie (torch
+                  splits it, clamp passes its bounds) 1 inside [1 - eps_low, 1 + eps_high], else 1/2
+    dkl/dlogp   = 1 - exp(ref_logp - logp)   (kl_bias_correction: ratio * (that + kl))
+    dlogp/dx_j  = ([j == id] - p_j) / T,   dH/dx_j = -p_j (d_j - mu) / T
     dlogits_j   = g / T * (dloss/dlogp * ([j == id] - p_j) + entropy_coef * p_j (d_j - mu))
 with p_j = exp(d_j - log s) recomputed from the saved m and log s. The forward saves dloss/dlogp
-per token, so the backward reads only the logits and a few numbers per row (no old/ref logps,
-no advantages).
+per token, so the backward reads only the logits and a few numbers per row.
 
-Run the tests:  python -m pytest -q tests/test_kernel.py   (CPU: under TRITON_INTERPRET=1)
-Benchmark:      python -m bench kernel  (GPU)   /   python -m bench kernel --tiny  (CPU)
+Tests: python -m pytest -q tests/test_kernel.py (CPU: TRITON_INTERPRET=1); python -m bench kernel
 
 Simplifications:
-1. Only the token-level ratio (GRPO/DAPO); the sequence-level one (GSPO) stays in loss.py.
-2. The loss_type reductions and the metrics stay in PyTorch: loss.policy_loss (impl="triton"),
-   the one caller in training, reduces the (B, T) per-token loss with loss.reduce_loss and
-   reports the stats under loss.grpo_loss's metric names. It passes entropy_coef=0: folded in
-   per token, the entropy term would be weighed by the loss type's reduction, and loss.py's
-   bonus is the mean token entropy instead.
-3. BLOCK_V and num_warps are fixed, not autotuned: autotuning would rerun the in-place backward.
-4. ids must lie in [0, V) at unmasked positions; they are not checked (that would sync the GPU).
+1. Only the token-level ratio (GSPO stays in loss.py). Reductions, weights, masks and metrics stay
+   in PyTorch: loss.policy_loss (impl="triton"), the one caller in training, builds token_weight,
+   reduces the per-token loss and reports the stats under grpo_loss's names, with entropy_coef=0
+   (its bonus is the mean token entropy instead).
+2. BLOCK_V and num_warps are fixed, not autotuned: autotuning would rerun the in-place backward.
+3. ids must lie in [0, V) at unmasked positions; they are not checked (that would sync the GPU).
 """
 import torch
 import triton
@@ -51,6 +46,7 @@ import triton.language as tl
 
 BLOCK_V = 4096  # logits per loop step: 8 KB of bf16 per program in flight
 NUM_WARPS = 8
+OBJECTIVES = {"clip": 0, "cispo": 1, "sapo": 2}  # grpo, bnpo, dr_grpo and dapo clip
 
 
 @triton.jit
@@ -58,9 +54,9 @@ def _grpo_forward_kernel(
     logits_ptr, stride_b, stride_t, ids_ptr, valid_ptr, advantages_ptr, old_logps_ptr,
     ref_logps_ptr, weight_ptr, loss_ptr, logps_ptr, kl_ptr, entropy_ptr, clipped_low_ptr,
     clipped_high_ptr, row_max_ptr, log_sum_ptr, mean_d_ptr, dloss_dlogp_ptr,
-    T, V, inv_temperature, ratio_low, ratio_high, beta, entropy_coef,
-    HAS_OLD: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_KL: tl.constexpr,
-    HAS_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+    T, V, inv_temperature, ratio_low, ratio_high, beta, entropy_coef, tau_pos, tau_neg,
+    OBJECTIVE: tl.constexpr, HAS_OLD: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HAS_KL: tl.constexpr, KL_IS: tl.constexpr, HAS_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     # the token index b * T + t; int64 so that row * stride cannot overflow
     row = tl.program_id(0).to(tl.int64)
@@ -69,8 +65,7 @@ def _grpo_forward_kernel(
     b = row // T
     x_ptr = logits_ptr + b * stride_b + (row % T) * stride_t
 
-    # online log-sum-exp over V: m = running max of x, d = (x - m) / T, s = sum exp(d),
-    # acc = sum exp(d) * d
+    # online log-sum-exp over V: m = running max of x, d = (x - m) / T, s = sum e^d, acc = sum e^d d
     m = -3.4028234663852886e38  # lowest fp32, not -inf: m - m_new is never inf - inf
     s = 0.0
     acc = 0.0
@@ -92,33 +87,48 @@ def _grpo_forward_kernel(
     x_id = tl.load(x_ptr + tl.load(ids_ptr + row)).to(tl.float32)
     logp = (x_id - m) * inv_temperature - log_s  # log_softmax(x / T)[id]
 
-    # clipped surrogate, in the order of loss.grpo_loss
+    # the policy objective, in the order of loss.surrogate
     advantage = tl.load(advantages_ptr + b)
     if HAS_OLD:
         ratio = tl.exp(logp - tl.load(old_logps_ptr + row))
     else:
         # on-policy: old = logp (logps - logps.detach() in loss.py); exactly 1, not a GPU exp(0)
         ratio = logp - logp + 1.0
-    clipped_ratio = tl.minimum(tl.maximum(ratio, ratio_low), ratio_high)  # torch.clamp
-    surrogate = ratio * advantage
-    clipped_surrogate = clipped_ratio * advantage
-    loss = -tl.minimum(surrogate, clipped_surrogate)
-    # clamp's gradient is 1 here
-    in_range = ((ratio >= ratio_low) & (ratio <= ratio_high)).to(tl.float32)
-    # torch.minimum's tie rule
-    tie_share = tl.where(surrogate == clipped_surrogate, 0.5 + 0.5 * in_range, 0.0)
-    unclipped_share = tl.where(surrogate < clipped_surrogate, 1.0, tie_share)
-    dloss_dlogp = -advantage * ratio * unclipped_share  # d ratio / d logp = ratio
-    if HAS_WEIGHT:  # a constant per-token weight (e.g. truncated importance sampling)
+    if OBJECTIVE == 0:  # the clipped surrogate
+        clipped_ratio = tl.minimum(tl.maximum(ratio, ratio_low), ratio_high)  # torch.clamp
+        surrogate = ratio * advantage
+        clipped_surrogate = clipped_ratio * advantage
+        loss = -tl.minimum(surrogate, clipped_surrogate)
+        # at a tie torch.minimum splits the gradient, and clamp's is 1 inside its bounds
+        in_range = ((ratio >= ratio_low) & (ratio <= ratio_high)).to(tl.float32)
+        tie_share = tl.where(surrogate == clipped_surrogate, 0.5 + 0.5 * in_range, 0.0)
+        unclipped_share = tl.where(surrogate < clipped_surrogate, 1.0, tie_share)
+        dloss_dlogp = -advantage * ratio * unclipped_share  # d ratio / d logp = ratio
+        tl.store(clipped_low_ptr + row, (ratio < ratio_low) & (advantage < 0))
+        tl.store(clipped_high_ptr + row, (ratio > ratio_high) & (advantage > 0))
+    elif OBJECTIVE == 1:  # cispo: ratio_high is the cap itself, a constant
+        dloss_dlogp = -tl.minimum(ratio, ratio_high) * advantage
+        loss = dloss_dlogp * logp
+        tl.store(clipped_high_ptr + row, ratio > ratio_high)
+    else:  # sapo
+        tau = tl.where(advantage > 0, tau_pos, tau_neg)
+        gate = tl.sigmoid(tau * (ratio - 1.0))
+        loss = -gate * 4.0 / tau * advantage
+        dloss_dlogp = -4.0 * advantage * gate * (1.0 - gate) * ratio
+    if HAS_WEIGHT:  # a constant per-token weight (loss.policy_weight)
         weight = tl.load(weight_ptr + row)
         loss = loss * weight
         dloss_dlogp = dloss_dlogp * weight
     if HAS_KL:
         delta = tl.load(ref_logps_ptr + row) - logp
         kl = tl.exp(delta) - delta - 1.0
-        loss = loss + beta * kl
-        dloss_dlogp += beta * (1.0 - tl.exp(delta))
+        dkl_dlogp = 1.0 - tl.exp(delta)
         tl.store(kl_ptr + row, kl)
+        if KL_IS:  # kl * ratio, d ratio / d logp = ratio
+            dkl_dlogp = ratio * (dkl_dlogp + kl)
+            kl = kl * ratio
+        loss = loss + beta * kl
+        dloss_dlogp += beta * dkl_dlogp
     if HAS_ENTROPY:
         mean_d = acc / s  # mu = sum_v p_v d_v
         entropy = log_s - mean_d
@@ -127,8 +137,6 @@ def _grpo_forward_kernel(
         tl.store(mean_d_ptr + row, mean_d)
     tl.store(loss_ptr + row, loss)
     tl.store(logps_ptr + row, logp)
-    tl.store(clipped_low_ptr + row, (ratio < ratio_low) & (advantage < 0))
-    tl.store(clipped_high_ptr + row, (ratio > ratio_high) & (advantage > 0))
     tl.store(row_max_ptr + row, m)
     tl.store(log_sum_ptr + row, log_s)
     tl.store(dloss_dlogp_ptr + row, dloss_dlogp)
@@ -185,39 +193,38 @@ def _as_rows(x, N, name):
 
 class _FusedGRPOTokenLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, ids, advantages, mask, old_logps, ref_logps, is_weight, temperature,
-                epsilon_low, epsilon_high, beta, entropy_coef, inplace_backward):
+    def forward(ctx, logits, ids, advantages, mask, old_logps, ref_logps, token_weight, o):
+        """o: fused_grpo_token_loss's keyword arguments, as numbers."""
         B, T, V = logits.shape
         N = B * T
         valid = (mask != 0).reshape(N).contiguous()  # (N,) bool
         ids = ids.reshape(N).contiguous()  # (N,)
         f32 = dict(device=logits.device, dtype=torch.float32)
         # zeros stay at masked tokens
-        loss = torch.zeros(N, **f32)  # (N,)
-        logps = torch.zeros(N, **f32)  # (N,)
-        kl = torch.zeros(N, **f32) if beta != 0 else None
-        entropy = torch.zeros(N, **f32) if entropy_coef != 0 else None
+        loss, logps = (torch.zeros(N, **f32) for _ in range(2))  # (N,) each
+        kl = torch.zeros(N, **f32) if o["beta"] != 0 else None
+        entropy = torch.zeros(N, **f32) if o["entropy_coef"] != 0 else None
         clipped_low = torch.zeros(N, device=logits.device, dtype=torch.bool)  # (N,)
         clipped_high = torch.zeros(N, device=logits.device, dtype=torch.bool)  # (N,)
-        # saved for backward: O(N)
-        row_max, log_sum, mean_d, dloss_dlogp = torch.zeros(4, N, **f32)  # (4, N)
+        row_max, log_sum, mean_d, dloss_dlogp = torch.zeros(4, N, **f32)  # (4, N) for backward
         old = _as_rows(old_logps, N, "old_logps")
         ref = _as_rows(ref_logps, N, "ref_logps")
-        weight = _as_rows(is_weight, N, "is_weight")
+        weight = _as_rows(token_weight, N, "token_weight")
+        # cispo caps the ratio at eps_high itself
+        ratio_high = o["epsilon_high"] if o["objective"] == "cispo" else 1.0 + o["epsilon_high"]
         _grpo_forward_kernel[(N,)](
             logits, logits.stride(0), logits.stride(1), ids, valid,
             advantages.float().contiguous(), old, ref, weight,
             loss, logps, kl, entropy, clipped_low, clipped_high,
             row_max, log_sum, mean_d, dloss_dlogp,
-            T, V, 1.0 / temperature, 1.0 - epsilon_low, 1.0 + epsilon_high,
-            float(beta), float(entropy_coef),
-            HAS_OLD=old is not None, HAS_WEIGHT=weight is not None, HAS_KL=beta != 0,
-            HAS_ENTROPY=entropy_coef != 0, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
+            T, V, 1.0 / o["temperature"], 1.0 - o["epsilon_low"], ratio_high, o["beta"],
+            o["entropy_coef"], o["tau_pos"], o["tau_neg"],
+            OBJECTIVE=OBJECTIVES[o["objective"]], HAS_OLD=old is not None,
+            HAS_WEIGHT=weight is not None, HAS_KL=o["beta"] != 0, KL_IS=o["kl_bias_correction"],
+            HAS_ENTROPY=entropy is not None, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
         )
         ctx.save_for_backward(logits, ids, valid, row_max, log_sum, mean_d, dloss_dlogp)
-        ctx.temperature = temperature
-        ctx.entropy_coef = entropy_coef
-        ctx.inplace_backward = inplace_backward
+        ctx.o = o
         buffers = (loss, logps, kl, entropy, clipped_low, clipped_high)
         outputs = [x.view(B, T) if x is not None else None for x in buffers]
         ctx.mark_non_differentiable(*[x for x in outputs[1:] if x is not None])
@@ -227,7 +234,7 @@ class _FusedGRPOTokenLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, *unused_grads):
         logits, ids, valid, row_max, log_sum, mean_d, dloss_dlogp = ctx.saved_tensors
         B, T, V = logits.shape
-        if ctx.inplace_backward:
+        if ctx.o["inplace_backward"]:
             # the gradient overwrites the logits (they are dead once this backward has read them)
             grad = logits.detach()
         else:
@@ -236,33 +243,33 @@ class _FusedGRPOTokenLoss(torch.autograd.Function):
             logits, logits.stride(0), logits.stride(1), grad, grad.stride(0), grad.stride(1),
             ids, valid, grad_loss.reshape(B * T).float().contiguous(),
             row_max, log_sum, mean_d, dloss_dlogp,
-            T, V, 1.0 / ctx.temperature, float(ctx.entropy_coef),
-            HAS_ENTROPY=ctx.entropy_coef != 0, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
+            T, V, 1.0 / ctx.o["temperature"], ctx.o["entropy_coef"],
+            HAS_ENTROPY=ctx.o["entropy_coef"] != 0, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
         )
-        return (grad,) + (None,) * 12
+        return (grad,) + (None,) * 7
 
 
-# Dynamo is kept out of the op: it is one fused kernel already, and tracing user Triton kernels
-# inside an autograd.Function would add a path that the CPU tests cannot cover. Compiled callers
-# graph-break here.
+# Dynamo is kept out of the op (compiled callers graph-break here): it is one fused kernel, and
+# tracing user Triton kernels inside an autograd.Function is a path the CPU tests cannot cover.
 @torch.compiler.disable
 def fused_grpo_token_loss(logits, ids, advantages, mask, old_logps=None, ref_logps=None, *,
                           temperature=1.0, epsilon_low=0.2, epsilon_high=0.2, beta=0.0,
-                          entropy_coef=0.0, is_weight=None, inplace_backward=False):
+                          entropy_coef=0.0, token_weight=None, inplace_backward=False,
+                          objective="clip", kl_bias_correction=False, sapo_tau_pos=1.0,
+                          sapo_tau_neg=1.05):
     """GRPO per-token loss straight from logits, as loss.grpo_loss computes it before reduce_loss.
 
     logits (B, T, V) bf16/fp16/fp32 with stride(-1) == 1 (views like logits[:, :-1] need no copy);
-    ids, mask, old_logps, ref_logps, is_weight (B, T); advantages (B,).
+    ids, mask, old_logps, ref_logps, token_weight (B, T); advantages (B,). objective: "clip"
+    (loss types grpo, bnpo, dr_grpo, dapo), "cispo" or "sapo".
     Returns (per_token_loss (B, T) fp32, differentiable w.r.t. logits, 0 at masked tokens;
              logps (B, T) fp32 detached;
-             stats: dict of detached (B, T) tensors: is_clipped_low, is_clipped_high (bool),
-                    kl (when beta != 0), entropy (when entropy_coef != 0)).
+             stats: detached (B, T): is_clipped_low, is_clipped_high (bool; cispo: its capped
+                    weights), kl (when beta != 0, not * ratio), entropy (when entropy_coef != 0)).
     Reduce with loss.reduce_loss(per_token_loss, mask, loss_type, ...); loss.policy_loss does.
-    inplace_backward=True writes dlogits into the logits' storage (they are destroyed; peak
-    memory is then the logits alone, as Liger's inplace=True): only when nothing reads the logits
-    after this backward (no second backward through the graph). For the full saving the logits
-    must not be a view: autograd turns the gradient of logits[:, :-1] into a fresh (B, T + 1, V)
-    tensor.
+    inplace_backward=True writes dlogits into the logits' storage (destroying them, as Liger's
+    inplace=True): only when nothing reads them after this backward. For the full saving they must
+    not be a view: autograd turns the gradient of logits[:, :-1] into a fresh (B, T + 1, V) tensor.
     """
     if logits.dim() != 3 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be (B, T, V) with stride(-1) == 1, got shape "
@@ -281,13 +288,13 @@ def fused_grpo_token_loss(logits, ids, advantages, mask, old_logps=None, ref_log
                          f"or set beta=0")
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0 (use the sampling temperature)")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective={objective!r}: choose one of {tuple(OBJECTIVES)}")
+    o = dict(temperature=float(temperature), epsilon_low=float(epsilon_low), beta=float(beta),
+             epsilon_high=float(epsilon_high), entropy_coef=float(entropy_coef),
+             tau_pos=float(sapo_tau_pos), tau_neg=float(sapo_tau_neg), objective=objective,
+             kl_bias_correction=bool(kl_bias_correction), inplace_backward=bool(inplace_backward))
     loss, logps, kl, entropy, clipped_low, clipped_high = _FusedGRPOTokenLoss.apply(
-        logits, ids, advantages, mask, old_logps, ref_logps, is_weight, float(temperature),
-        float(epsilon_low), float(epsilon_high), float(beta), float(entropy_coef),
-        bool(inplace_backward))
-    stats = {"is_clipped_low": clipped_low, "is_clipped_high": clipped_high}
-    if kl is not None:
-        stats["kl"] = kl
-    if entropy is not None:
-        stats["entropy"] = entropy
-    return loss, logps, stats
+        logits, ids, advantages, mask, old_logps, ref_logps, token_weight, o)
+    stats = dict(is_clipped_low=clipped_low, is_clipped_high=clipped_high, kl=kl, entropy=entropy)
+    return loss, logps, {k: v for k, v in stats.items() if v is not None}

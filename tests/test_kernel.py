@@ -13,7 +13,7 @@ import torch
 
 import kernels.grpo as grpo
 from kernels import fused_grpo_token_loss
-from loss import entropy_from_logits, grpo_loss, reduce_loss, selective_log_softmax, truncated_is_weight
+from loss import entropy_from_logits, grpo_loss, importance_weight, reduce_loss, selective_log_softmax
 
 # numpy (the interpreter) warns on inf/NaN in the branch tl.where discards, and on the running max's
 # lowest-fp32 start overflowing to -inf when scaled by 1 / T > 1: both intended, see kernels/grpo.py
@@ -21,7 +21,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.i
 TOL = dict(atol=1e-5, rtol=1e-5)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GPU_BLOCK_V = grpo.BLOCK_V
-REDUCE = {"grpo": {}, "bnpo": {}, "dr_grpo": {"max_completion_length": 8}, "dapo": {"num_items": 11}}
+REDUCE = {"grpo": {}, "bnpo": {}, "dr_grpo": {"max_completion_length": 8}, "dapo": {"num_items": 11},
+          "cispo": {"num_items": 11}, "sapo": {}}
+CLIP_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]  # the clipped surrogate (cispo and sapo: their own tests)
 
 
 @pytest.fixture(autouse=True)
@@ -47,16 +49,24 @@ def make_batch(T=5, V=150, scale=3.0, seed=0, dtype=torch.float32, temperature=1
     return tuple(x.to(DEVICE) for x in (base, ids, advantages, mask, old_logps, ref_logps, sampling_logps))
 
 
+def tis_weight(logps, old_logps, sampling_logps, mask, tis_cap):
+    """The IS weight from old (or, on-policy, the current) and sampling logps, as loss.policy_loss builds it."""
+    old = logps.detach() if old_logps is None else old_logps
+    return importance_weight(old, sampling_logps, mask, "token_truncate", is_max=tis_cap)[0]
+
+
 def run_reference(logits, ids, advantages, mask, old_logps, ref_logps, *, loss_type="grpo", temperature=1.0,
-                  epsilon_low=0.2, epsilon_high=0.2, beta=0.0, entropy_coef=0.0, sampling_logps=None, tis_cap=None):
+                  epsilon_low=0.2, epsilon_high=0.2, beta=0.0, entropy_coef=0.0, sampling_logps=None, tis_cap=None,
+                  kl_bias_correction=False, sapo_tau_pos=1.0, sapo_tau_neg=1.05):
     logps = selective_log_softmax(logits, ids, temperature)  # (B, T)
     entropies = entropy_from_logits(logits, temperature) if entropy_coef else None
-    is_weight = None
-    if tis_cap is not None:  # from old (or, on-policy, the current) and sampling logps, as loss.policy_loss does
-        is_weight = truncated_is_weight(logps.detach() if old_logps is None else old_logps, sampling_logps, tis_cap)
+    weight = None
+    if tis_cap is not None:
+        weight = tis_weight(logps, old_logps, sampling_logps, mask, tis_cap)
     loss, metrics = grpo_loss(logps, old_logps, ref_logps, advantages, mask, loss_type=loss_type,
                               epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta, entropies=entropies,
-                              is_weight=is_weight, **REDUCE[loss_type])
+                              token_weight=weight, kl_bias_correction=kl_bias_correction,
+                              sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg, **REDUCE[loss_type])
     if entropy_coef:  # the kernel folds -entropy_coef * H_t into its per-token loss, so the loss type reduces it
         # too (loss.policy_loss runs the kernel without it and adds grpo_loss's mean-entropy bonus instead)
         loss = loss - entropy_coef * reduce_loss(entropies, mask, loss_type, **REDUCE[loss_type])
@@ -64,7 +74,9 @@ def run_reference(logits, ids, advantages, mask, old_logps, ref_logps, *, loss_t
 
 
 def run_fused(logits, ids, advantages, mask, old_logps, ref_logps, *, loss_type="grpo", **kwargs):
-    per_token, logps, stats = fused_grpo_token_loss(logits, ids, advantages, mask, old_logps, ref_logps, **kwargs)
+    objective = loss_type if loss_type in ("cispo", "sapo") else "clip"
+    per_token, logps, stats = fused_grpo_token_loss(logits, ids, advantages, mask, old_logps, ref_logps,
+                                                    objective=objective, **kwargs)
     return reduce_loss(per_token, mask, loss_type, **REDUCE[loss_type]), per_token, logps, stats
 
 
@@ -81,12 +93,12 @@ def compare(base, ids, advantages, mask, old_logps, ref_logps, sampling_logps=No
         view(ref_base), ids, advantages, mask, old_logps, ref_logps, loss_type=loss_type,
         sampling_logps=sampling_logps, tis_cap=tis_cap, **kwargs)
     (ref_grad,) = torch.autograd.grad(ref_loss, ref_base)
-    is_weight = None
+    weight = None
     if tis_cap is not None:  # the same constant weight as the reference's
-        is_weight = truncated_is_weight(ref_logps_out if old_logps is None else old_logps, sampling_logps, tis_cap)
+        weight = tis_weight(ref_logps_out, old_logps, sampling_logps, mask, tis_cap)
     fused_base = base.detach().clone().requires_grad_()
     loss, per_token, logps, stats = run_fused(view(fused_base), ids, advantages, mask, old_logps, ref_logps,
-                                              loss_type=loss_type, is_weight=is_weight, **kwargs)
+                                              loss_type=loss_type, token_weight=weight, **kwargs)
     (grad,) = torch.autograd.grad(loss, fused_base)
     assert (per_token[mask == 0] == 0).all() and (logps[mask == 0] == 0).all()
     assert not logps.requires_grad and all(not s.requires_grad for s in stats.values())
@@ -100,8 +112,9 @@ def assert_matches(out, mask, **tol):
         ours, ref = out[name]
         torch.testing.assert_close(ours.double(), ref.double(), **tol, msg=lambda m: f"{name}: {m}")
     stats, metrics = out["metrics"]
-    assert masked_mean(stats["is_clipped_low"], mask) == pytest.approx(metrics["clip_low"], abs=1e-6)
-    assert masked_mean(stats["is_clipped_high"], mask) == pytest.approx(metrics["clip_high"], abs=1e-6)
+    for side in ("low", "high"):  # the clip fractions of the loss type (cispo: high only; sapo: none)
+        if f"clip_{side}" in metrics:
+            assert masked_mean(stats[f"is_clipped_{side}"], mask) == pytest.approx(metrics[f"clip_{side}"], abs=1e-6)
     for key in ("kl", "entropy"):
         if key in stats:
             assert masked_mean(stats[key], mask) == pytest.approx(metrics[key], abs=1e-5, rel=1e-5)
@@ -115,7 +128,7 @@ GRID = list(itertools.product([1.0, 0.7], [False, True], [0.0, 0.04], [0.0, 0.01
 @pytest.mark.parametrize("temperature, has_old, beta, entropy_coef, tis_cap", GRID)
 def test_matches_loss_py_fp32(temperature, has_old, beta, entropy_coef, tis_cap):
     case = GRID.index((temperature, has_old, beta, entropy_coef, tis_cap))
-    loss_type = list(REDUCE)[case % len(REDUCE)]  # every reduction, across the grid
+    loss_type = CLIP_TYPES[case % len(CLIP_TYPES)]  # every reduction, across the grid
     base, ids, advantages, mask, old_logps, ref_logps, sampling_logps = make_batch(seed=case, temperature=temperature)
     out = compare(base, ids, advantages, mask, old_logps if has_old else None, ref_logps,
                   sampling_logps=sampling_logps, tis_cap=tis_cap, loss_type=loss_type, temperature=temperature,
@@ -140,6 +153,41 @@ def test_masked_tokens_get_zero_gradient():
     grad = out["grad"][0]  # (B, T + 1, V)
     assert (grad[:, :-1][mask == 0] == 0).all() and (grad[:, -1] == 0).all()
     assert (grad[:, :-1][mask == 1] != 0).any(dim=-1).all()
+
+
+# ---- cispo, sapo and the KL bias correction -------------------------------------------------------
+
+OBJECTIVE_GRID = list(itertools.product(["cispo", "sapo"], [False, True], [False, True]))
+
+
+@pytest.mark.parametrize("loss_type, has_old, kl_bias_correction", OBJECTIVE_GRID)
+def test_objectives_match_loss_py_fp32(loss_type, has_old, kl_bias_correction):
+    """Every objective the kernel shares with loss.py, forward and backward, with the IS weight, the KL (and its
+    bias correction) and the entropy term; cispo's cap 1.3 holds some ratios and not others."""
+    case = OBJECTIVE_GRID.index((loss_type, has_old, kl_bias_correction))
+    base, ids, advantages, mask, old_logps, ref_logps, sampling_logps = make_batch(seed=case, temperature=0.7)
+    out = compare(base, ids, advantages, mask, old_logps if has_old else None, ref_logps,
+                  sampling_logps=sampling_logps, tis_cap=2.0, loss_type=loss_type, temperature=0.7,
+                  epsilon_high=1.3 if loss_type == "cispo" else 0.2, beta=0.04, entropy_coef=0.01,
+                  kl_bias_correction=kl_bias_correction, sapo_tau_pos=0.8, sapo_tau_neg=1.3)
+    assert_matches(out, mask)
+    stats, metrics = out["metrics"]
+    if loss_type == "cispo" and has_old:
+        assert 0 < metrics["clip_high"] < 1
+    if loss_type == "sapo":
+        assert "clip_high" not in metrics and not stats["is_clipped_high"].any()
+
+
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo"])
+def test_objectives_bf16_within_the_error_of_pytorch_bf16(loss_type):
+    """bf16 logits, as test_bf16_within_the_error_of_pytorch_bf16: loss and logps within 1e-5 of fp32 loss.py, the
+    bf16 gradient within the error of loss.py's own bf16 path (+ the interpreter's truncating cast)."""
+    base, ids, advantages, mask, old_logps, ref_logps, _ = make_batch(dtype=torch.bfloat16, temperature=0.7)
+    kwargs = dict(temperature=0.7, beta=0.04, entropy_coef=0.01, loss_type=loss_type, kl_bias_correction=True,
+                  epsilon_high=1.3 if loss_type == "cispo" else 0.2)
+    ours = compare(base, ids, advantages, mask, old_logps, ref_logps, ref_dtype=torch.float32, **kwargs)
+    torch_bf16 = compare(base, ids, advantages, mask, old_logps, ref_logps, **kwargs)
+    assert_within_bf16_error(ours, torch_bf16)
 
 
 # ---- clip boundaries and ties ------------------------------------------------------------------
@@ -254,6 +302,11 @@ def test_bf16_within_the_error_of_pytorch_bf16():
     kwargs = dict(temperature=0.7, beta=0.04, entropy_coef=0.01)
     ours = compare(base, ids, advantages, mask, old_logps, ref_logps, ref_dtype=torch.float32, **kwargs)
     torch_bf16 = compare(base, ids, advantages, mask, old_logps, ref_logps, **kwargs)
+    assert_within_bf16_error(ours, torch_bf16)
+
+
+def assert_within_bf16_error(ours, torch_bf16):
+    """ours: the kernel on bf16 logits vs fp32 loss.py (the judge); torch_bf16: loss.py's bf16 path vs itself."""
     for name in ("loss", "logps"):
         torch.testing.assert_close(ours[name][0], ours[name][1], **TOL)
         torch.testing.assert_close(torch_bf16[name][1], ours[name][1], **TOL)
@@ -282,6 +335,8 @@ def test_bad_inputs_say_what_to_change():
         fused_grpo_token_loss(base[:, :-1].double(), ids, advantages, mask)
     with pytest.raises(ValueError, match="old_logps"):
         fused_grpo_token_loss(base[:, :-1], ids, advantages, mask, old_logps[:, :2])
+    with pytest.raises(ValueError, match="objective='ppo'"):
+        fused_grpo_token_loss(base[:, :-1], ids, advantages, mask, objective="ppo")
 
 
 def test_torch_compile_around_the_op_cpu():

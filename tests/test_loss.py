@@ -1,12 +1,14 @@
-"""loss.py: hand-computed values, gradients (gradcheck in float64), input errors, and policy_loss's two paths."""
+"""loss.py: hand-computed values, gradients (gradcheck in float64, and autograd through a naive implementation),
+input errors, micro-batch invariance, and policy_loss's two paths."""
 import itertools
 import math
 
 import pytest
 import torch
 
-from loss import (LOSS_TYPES, entropy_from_logits, grpo_loss, policy_loss, reduce_loss, resolve_impl,
-                  selective_log_softmax, truncated_is_weight)
+from loss import (LOSS_TYPES, choose_impl, entropy_from_logits, grpo_loss, importance_weight, off_policy_keep,
+                  policy_loss, policy_weight, reduce_loss, resolve_impl, selective_log_softmax, step_metrics)
+from reduction import REDUCTION, high_entropy_mask, minibatch_tokens, quantile_over_ranks, token_stats
 
 f64 = dict(dtype=torch.float64)
 
@@ -160,13 +162,16 @@ def test_truncated_importance_sampling_weight():
     logps = torch.zeros(1, 2, requires_grad=True)
     old = torch.zeros(1, 2)
     sampling = torch.tensor([[math.log(2.0), -math.log(4.0)]])  # weights exp(old - sampling) = 0.5 and 4 -> cap 2
-    weight = truncated_is_weight(old, sampling, 2.0)
+    weight, ratio, outside = importance_weight(old, sampling, torch.ones(1, 2), "token_truncate", is_max=2.0)
     torch.testing.assert_close(weight, torch.tensor([[0.5, 2.0]]))
-    loss, _ = grpo_loss(logps, old, None, torch.tensor([1.0]), torch.ones(1, 2), is_weight=weight)
+    torch.testing.assert_close(ratio, torch.tensor([[0.5, 4.0]]))
+    assert outside is None  # truncate modes drop no token
+    loss, _ = grpo_loss(logps, old, None, torch.tensor([1.0]), torch.ones(1, 2), token_weight=weight)
     assert loss.item() == pytest.approx(-(0.5 + 2.0) / 2)
     loss.backward()
     torch.testing.assert_close(logps.grad, torch.tensor([[-0.25, -1.0]]))
-    assert not truncated_is_weight(logps, sampling, 2.0).requires_grad  # a constant, even from the current logps
+    # a constant, even from the current logps
+    assert not importance_weight(logps, sampling, torch.ones(1, 2), "token_truncate")[0].requires_grad
 
 
 def test_entropy_bonus():
@@ -185,31 +190,42 @@ def test_entropy_bonus_is_the_mean_token_entropy_whatever_the_loss_type(loss_typ
     ent = torch.tensor([[1.0, 0.0, 0.0], [2.0, 3.0, 4.0]], requires_grad=True)
     mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
     loss, m = grpo_loss(torch.zeros(2, 3), None, None, torch.zeros(2), mask, loss_type=loss_type, entropies=ent,
-                        entropy_coef=0.1, num_items=4 if loss_type == "dapo" else None, max_completion_length=8)
+                        entropy_coef=0.1, num_items=4 if REDUCTION[loss_type] == "dapo" else None,
+                        max_completion_length=8)
     assert loss.item() == pytest.approx(-0.25) and m["entropy"] == pytest.approx(2.5)
     loss.backward()
     torch.testing.assert_close(ent.grad, -0.1 / 4 * mask.float())
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_micro_batch_losses_add_up_to_the_minibatch_loss(loss_type):
+ROW_KW = ("truncated", "high_entropy")  # policy_loss's per-row keyword tensors: sliced with the micro-batch
+
+
+@pytest.mark.parametrize("loss_type, options", list(itertools.product(LOSS_TYPES, ("all", "knobs", "token_mask"))))
+def test_micro_batch_losses_add_up_to_the_minibatch_loss(loss_type, options):
     """policy_loss over micro-batches of 1, 2 or 4 sequences: the losses (and gradients) sum to the whole
-    minibatch's, entropy bonus and KL included; the logged loss of the minibatch is that sum."""
-    (logits, *rest), kw = _micro_batch(OPTIONS["all"])
-    kw["minibatch_size"], kw["minibatch_tokens"] = 4, rest[2].sum()  # the 4 sequences are the whole minibatch
+    minibatch's, entropy bonus, KL and every mask included; the logged loss of the minibatch is that sum, and the
+    step's metrics (step_metrics) are the same at every micro-batch size."""
+    (logits, *rest), kw = _micro_batch(OPTIONS[options])
+    kw["minibatch_size"] = 4  # the 4 sequences are the whole minibatch
+    kw["minibatch_tokens"] = minibatch_tokens(rest[2], kw.get("truncated"))
     totals = []
     for micro in (4, 2, 1):
-        loss, grad = 0.0, torch.zeros_like(logits)
+        loss, grad, micro_metrics = 0.0, torch.zeros_like(logits), []
         for i in range(0, 4, micro):
-            part = (logits[i:i + micro], *(x[i:i + micro] for x in rest))
-            share, metrics = policy_loss(*part, loss_type=loss_type, **kw)
+            part = (logits[i:i + micro], *(None if x is None else x[i:i + micro] for x in rest))
+            part_kw = {k: v[i:i + micro] if k in ROW_KW else v for k, v in kw.items()}
+            share, metrics = policy_loss(*part, loss_type=loss_type, **part_kw)
             assert metrics["loss"] == pytest.approx(share.item()) and metrics["tokens"] == part[3].sum().item()
             grad[i:i + micro] += torch.autograd.grad(share, logits)[0][i:i + micro]
             loss += share.item()
-        totals.append((loss, grad))
-    for loss, grad in totals[1:]:
+            micro_metrics.append(metrics)
+        totals.append((loss, grad, step_metrics(micro_metrics, [torch.tensor(1.0)])))
+    for loss, grad, logged in totals[1:]:
         assert loss == pytest.approx(totals[0][0], rel=1e-6)
         torch.testing.assert_close(grad, totals[0][1])
+        assert list(logged) == list(totals[0][2])
+        for key, value in totals[0][2].items():
+            assert logged[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
 
 
 # ---- grpo_loss: gradients ---------------------------------------------------------------------
@@ -226,16 +242,24 @@ def _gradcheck_inputs():
     return logps, logps - log_ratio, ref, adv, mask, torch.rand(B, T, **f64) + 0.5, log_ratio
 
 
-@pytest.mark.parametrize("loss_type, level, beta", list(itertools.product(LOSS_TYPES, ("token", "sequence"), (0.0, 0.04))))
-def test_grpo_loss_gradcheck(loss_type, level, beta):
+# cispo is not gradcheck-able by design: its weight sg(min(ratio, eps_high)) is constant only to autograd
+# (test_cispo_by_hand and the naive implementation below check its gradient)
+SMOOTH_TYPES = [t for t in LOSS_TYPES if t != "cispo"]
+KL_OPTIONS = [(0.0, False), (0.04, False), (0.04, True)]  # (beta, kl_bias_correction)
+
+
+@pytest.mark.parametrize("loss_type, level, kl", list(itertools.product(SMOOTH_TYPES, ("token", "sequence"), KL_OPTIONS)))
+def test_grpo_loss_gradcheck(loss_type, level, kl):
     logps, old, ref, adv, mask, ent, log_ratio = _gradcheck_inputs()
     # the inputs hold clipped and unclipped tokens, none within 1e-2 of a clip boundary (finite differences)
     lr = log_ratio if level == "token" else ((log_ratio * mask).sum(-1) / mask.sum(-1)).unsqueeze(-1).expand(-1, 5)
     for bound in (math.log(0.8), math.log(1.2)):
         assert (lr - bound).abs().min() > 1e-2
-    kw = dict(loss_type=loss_type, beta=beta, importance_sampling_level=level, num_items=17, max_completion_length=6)
+    beta, kl_bias_correction = kl
+    kw = dict(loss_type=loss_type, beta=beta, importance_sampling_level=level, num_items=17, max_completion_length=6,
+              kl_bias_correction=kl_bias_correction)
     _, metrics = grpo_loss(logps, old, ref, adv, mask, **kw)
-    assert 0 < metrics["clip_region"] < 1
+    assert loss_type == "sapo" or 0 < metrics["clip_region"] < 1
     assert torch.autograd.gradcheck(
         lambda lp, e: grpo_loss(lp, old, ref, adv, mask, entropies=e, entropy_coef=0.01, **kw)[0],
         (logps.clone().requires_grad_(), ent.clone().requires_grad_()))
@@ -246,9 +270,9 @@ def test_gradcheck_tis():
     # test_on_policy_is_plain_policy_gradient checks that gradient by hand.)
     logps, old, ref, adv, mask, _, _ = _gradcheck_inputs()
     sampling = old + 0.2 * torch.randn(old.shape, **f64)
-    assert torch.autograd.gradcheck(
-        lambda lp: grpo_loss(lp, old, ref, adv, mask, beta=0.1, is_weight=truncated_is_weight(old, sampling, 1.1))[0],
-        (logps.clone().requires_grad_(),))
+    weight = importance_weight(old, sampling, mask, "token_truncate", is_max=1.1)[0]
+    assert torch.autograd.gradcheck(lambda lp: grpo_loss(lp, old, ref, adv, mask, beta=0.1, token_weight=weight)[0],
+                                    (logps.clone().requires_grad_(),))
 
 
 # ---- errors -----------------------------------------------------------------------------------
@@ -266,9 +290,14 @@ def test_errors(kwargs, match):
         grpo_loss(torch.zeros(1, 2), None, None, torch.ones(1), torch.ones(1, 2), **kwargs)
 
 
-def test_tis_without_sampling_logps():
+def test_knobs_without_sampling_logps():
     with pytest.raises(ValueError, match="sampling_logps"):
-        truncated_is_weight(torch.zeros(1, 2), None, 2.0)
+        importance_weight(torch.zeros(1, 2), None, torch.ones(1, 2), "token_truncate", is_max=2.0)
+    with pytest.raises(ValueError, match="sampling_logps"):
+        off_policy_keep(torch.ones(1), torch.zeros(1, 2), None, torch.ones(1, 2), 0.5)
+    with pytest.raises(ValueError, match="is_correction"):
+        policy_loss(torch.zeros(1, 2, 4), torch.zeros(1, 2, dtype=torch.long), torch.ones(1), torch.ones(1, 2),
+                    minibatch_size=1, minibatch_tokens=torch.tensor(2.0), is_correction="sequence")
 
 
 def test_reduce_loss_errors():
@@ -291,14 +320,22 @@ def test_entropy_with_banned_tokens_is_finite():
 
 OPTIONS = {  # what train.py can pass; every set runs with every loss type on the torch path
     "plain": dict(),
-    "all": dict(temperature=0.7, epsilon_high=0.28, beta=0.04, entropy_coef=0.01, tis_cap=2.0),
-    "on_policy_tis": dict(old=False, tis_cap=2.0),  # ref_logps given at beta = 0: kl is logged, not in the loss
+    "all": dict(temperature=0.7, epsilon_high=0.28, beta=0.04, entropy_coef=0.01, is_correction="token_truncate",
+                is_max=2.0),
+    # ref_logps given at beta = 0: kl is logged, not in the loss
+    "on_policy_tis": dict(old=False, is_correction="token_truncate", is_max=2.0),
     "gspo": dict(importance_sampling_level="sequence", beta=0.04),
+    # every mask at once, each removing some tokens and keeping others (test_knobs_fire)
+    "knobs": dict(temperature=0.7, beta=0.04, kl_bias_correction=True, entropy_coef=0.01,
+                  is_correction="sequence_mask", is_max=1.2, off_policy_mask=0.0, masks=True),
+    "token_mask": dict(old=False, beta=0.04, kl_bias_correction=True, is_correction="token_mask", is_min=0.9,
+                       is_max=1.1, sapo_tau_pos=0.5, sapo_tau_neg=2.0),
 }
 
 
 def _micro_batch(options, n=4, T=3, V=64, device="cpu"):
-    """A micro-batch of n sequences out of a minibatch of 2n, with padding, clipped tokens on both sides."""
+    """A micro-batch of n sequences out of a minibatch of 2n, with padding, clipped tokens on both sides; with
+    options["masks"], also a truncated sequence (the third) and a high-entropy mask."""
     g = torch.Generator().manual_seed(0)
     logits = (2 * torch.randn(n, T, V, generator=g)).requires_grad_()  # (n, T, V)
     ids = torch.randint(V, (n, T), generator=g)  # (n, T)
@@ -313,19 +350,29 @@ def _micro_batch(options, n=4, T=3, V=64, device="cpu"):
     logits = logits.detach().to(device).requires_grad_()
     ids, advantages, mask, old, ref, sampling = (x.to(device) for x in (ids, advantages, mask, old, ref, sampling))
     tensors = (logits, ids, advantages, mask, old if options.get("old", True) else None, ref, sampling)
-    kw = {k: v for k, v in options.items() if k != "old"}
+    kw = {k: v for k, v in options.items() if k not in ("old", "masks")}
+    if options.get("masks"):
+        kw["truncated"] = torch.tensor([False, False, True, False], device=device)  # (n,)
+        high = torch.tensor([[1, 0, 1], [1, 1, 1], [0, 1, 1], [0, 1, 0]], dtype=torch.bool)  # (n, T)
+        kw["high_entropy"] = high.to(device) & (mask > 0)
     return tensors, dict(kw, minibatch_size=2 * n, minibatch_tokens=mask.sum() + 5, max_completion_length=T + 2)
 
 
 def _inline(logits, ids, advantages, mask, old, ref, sampling, *, minibatch_size, minibatch_tokens, loss_type,
-            temperature=1.0, entropy_coef=0.0, tis_cap=0.0, **kw):
+            temperature=1.0, entropy_coef=0.0, truncated=None, high_entropy=None, is_correction="off",
+            is_min=0.0, is_max=3.0, off_policy_mask=None, **kw):
     """The micro-batch step spelled out with loss.py's reference pieces: what policy_loss must compute."""
     logps = selective_log_softmax(logits, ids, temperature)  # (n, T)
     entropies = entropy_from_logits(logits, temperature) if entropy_coef else None  # (n, T)
-    w = torch.clamp(torch.exp((logps.detach() if old is None else old) - sampling), max=tis_cap).detach()
+    current = logps.detach()  # (n, T)
+    weight, stats = policy_weight(advantages, mask, current if old is None else old, current, sampling,
+                                  truncated=truncated, high_entropy=high_entropy, is_correction=is_correction,
+                                  is_min=is_min, is_max=is_max, off_policy_mask=off_policy_mask)
     loss, metrics = grpo_loss(logps, old, ref, advantages, mask, loss_type=loss_type, entropies=entropies,
-                              entropy_coef=entropy_coef, is_weight=w if tis_cap else None,
+                              entropy_coef=entropy_coef, token_weight=weight, truncated=truncated,
                               num_sequences=minibatch_size, num_items=minibatch_tokens, **kw)
+    if stats:
+        metrics.update(token_stats(mask, stats))
     return loss, dict(metrics, loss=loss.item(), tokens=mask.sum().item())
 
 
@@ -338,18 +385,22 @@ def test_policy_loss_torch_is_the_inline_step_bit_for_bit(loss_type, options):
     (grad,) = torch.autograd.grad(scaled, logits)
     assert torch.equal(scaled, expected) and torch.equal(grad, expected_grad)
     assert list(metrics.items()) == list(expected_metrics.items())  # names, order and values
-    assert (metrics["clip_region"] > 0) == (rest[3] is not None)  # off-policy inputs exercise clipping
+    if loss_type not in ("cispo", "sapo"):  # off-policy inputs exercise clipping
+        assert (metrics["clip_region"] > 0) == (rest[3] is not None)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")  # intended: see test_kernel.py
 @pytest.mark.parametrize("loss_type, options", [("grpo", "plain"), ("bnpo", "all"), ("dr_grpo", "on_policy_tis"),
-                                                ("dapo", "all")])
+                                                ("dapo", "all"), ("cispo", "knobs"), ("sapo", "knobs"),
+                                                ("grpo", "token_mask"), ("cispo", "token_mask")])
 def test_policy_loss_triton_matches_torch(loss_type, options, monkeypatch):
     """The kernel path (under TRITON_INTERPRET=1 on CPU) reports the same metrics and the same gradient."""
     pytest.importorskip("triton")
     import kernels.grpo
     monkeypatch.setattr(kernels.grpo, "BLOCK_V", 32)  # two blocks per row, and few interpreted ops
     (logits, *rest), kw = _micro_batch(OPTIONS[options], device="cuda" if torch.cuda.is_available() else "cpu")
+    if loss_type == "cispo":
+        kw["epsilon_high"] = 1.3  # the cap: some weights capped, others not
     out = {}
     for impl in ("torch", "triton"):
         scaled, metrics = policy_loss(logits, *rest, loss_type=loss_type, impl=impl, **kw)
@@ -362,14 +413,235 @@ def test_policy_loss_triton_matches_torch(loss_type, options, monkeypatch):
         assert metrics[key] == pytest.approx(value, abs=1e-6 if key.startswith("clip") else 1e-5, rel=1e-5), key
 
 
-def test_resolve_impl_and_policy_loss_errors():
+def test_choose_impl_says_why_and_policy_loss_errors():
     assert resolve_impl("auto", "cpu") == "torch" and resolve_impl("triton", "cpu") == "triton"
     assert resolve_impl("auto", torch.device("cuda", 0)) == "triton"
     assert resolve_impl("auto", "cuda:0", "sequence") == resolve_impl("torch", "cuda") == "torch"
+    assert choose_impl("auto", "cpu") == ("torch", "auto: no CUDA, where Triton would only interpret")
+    assert choose_impl("auto", "cuda", "sequence") == ("torch", "auto: the kernel has no sequence-level ratio")
+    assert choose_impl("auto", "cuda") == ("triton", "auto: the fused kernel on CUDA")
+    assert choose_impl("torch", "cuda") == ("torch", "--loss-impl torch")
     with pytest.raises(ValueError, match="loss_impl"):
         resolve_impl("fast", "cpu")
     (logits, *rest), kw = _micro_batch({})
-    with pytest.raises(ValueError, match="resolve_impl"):
+    with pytest.raises(ValueError, match="choose_impl"):
         policy_loss(logits, *rest, impl="auto", **kw)
     with pytest.raises(ValueError, match="sequence"):
         policy_loss(logits, *rest, impl="triton", **dict(kw, importance_sampling_level="sequence"))
+
+
+# ---- the knobs: each objective and mask by hand ---------------------------------------------------
+
+def test_cispo_by_hand():
+    """ratios 1.5, 6 and 0.5: the weight is min(ratio, eps_high = 5), a constant, times -A logp; every token keeps a
+    gradient (-w A), the capped one too (the clipped surrogate would give it none)."""
+    logps = torch.tensor([[-1.0], [-2.0], [-0.5]], requires_grad=True)
+    old = logps.detach() - torch.log(torch.tensor([[1.5], [6.0], [0.5]]))
+    adv = torch.tensor([1.0, 1.0, -1.0])
+    loss, m = grpo_loss(logps, old, None, adv, torch.ones(3, 1), loss_type="cispo", epsilon_high=5.0, num_items=3)
+    assert loss.item() == pytest.approx(-(1.5 * -1.0 + 5.0 * -2.0 - 0.5 * -0.5) / 3)
+    loss.backward()
+    torch.testing.assert_close(logps.grad, torch.tensor([[-1.5], [-5.0], [0.5]]) / 3)
+    assert list(m) == ["clip_high", "ratio_mean"] and m["clip_high"] == pytest.approx(1 / 3)
+
+
+def test_sapo_by_hand():
+    """-sigmoid(tau (ratio - 1)) 4 / tau A, tau 1 for A > 0 and 1.05 otherwise; reduced like grpo; gradient
+    -4 A sigma (1 - sigma) ratio, which at ratio 1 is -A: grpo's."""
+    ratio = torch.tensor([[1.5, 1.0], [0.5, 1.0]])
+    logps = torch.zeros(2, 2, requires_grad=True)
+    old = -torch.log(ratio)
+    adv = torch.tensor([2.0, -1.0])
+    tau = torch.tensor([[1.0], [1.05]])
+    sigma = torch.sigmoid(tau * (ratio - 1))
+    loss, m = grpo_loss(logps, old, None, adv, torch.ones(2, 2), loss_type="sapo")
+    expected = (-(sigma * 4 / tau) * adv.unsqueeze(-1)).mean()
+    assert loss.item() == pytest.approx(expected.item()) and "clip_region" not in m
+    loss.backward()
+    grad = -4 * adv.unsqueeze(-1) * sigma * (1 - sigma) * ratio / 4  # 2 sequences x 2 tokens
+    torch.testing.assert_close(logps.grad, grad)
+    torch.testing.assert_close(logps.grad[:, 1], -adv / 4)  # ratio 1: the plain policy gradient
+
+
+def test_kl_bias_correction_by_hand():
+    """kl * ratio: the value at ratio 1 is k3's, the gradient gains kl (d ratio / d logp = ratio): ratio (1 - e^d + kl)
+    with d = ref - logp."""
+    logps = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0]])
+    old = torch.tensor([[-1.2, -2.0]])  # ratios e^0.2 and 1
+    delta = ref - logps.detach()
+    kl = torch.exp(delta) - delta - 1
+    ratio = torch.exp(logps.detach() - old)
+    zero = torch.zeros(1)
+    loss, m = grpo_loss(logps, old, ref, zero, torch.ones(1, 2), beta=0.5, kl_bias_correction=True)
+    assert loss.item() == pytest.approx((0.5 * kl * ratio).mean().item()) and m["kl"] == pytest.approx(kl.mean().item())
+    loss.backward()
+    torch.testing.assert_close(logps.grad, 0.5 * ratio * (1 - torch.exp(delta) + kl) / 2)
+    on_policy = logps.detach().clone().requires_grad_()
+    loss, _ = grpo_loss(on_policy, None, ref, zero, torch.ones(1, 2), beta=0.5, kl_bias_correction=True)
+    assert loss.item() == pytest.approx((0.5 * kl).mean().item())
+    loss.backward()
+    torch.testing.assert_close(on_policy.grad, 0.5 * (1 - torch.exp(delta) + kl) / 2)
+
+
+def test_importance_weight_modes_by_hand():
+    """Token ratios exp(old - sampling) = 0.5, 2, 4 (and a masked token whose sampling log-prob is nonsense); the
+    sequence ratio is their product over the unmasked tokens, 4, for every token of the sequence."""
+    old = torch.zeros(1, 4)
+    sampling = torch.tensor([[math.log(2.0), -math.log(2.0), -math.log(4.0), -50.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    cases = {  # mode, is_min, is_max -> weight at the 3 unmasked tokens, dropped tokens
+        ("token_truncate", 0.0, 3.0): ([0.5, 2.0, 3.0], None),
+        ("token_truncate", 1.0, 3.0): ([1.0, 2.0, 3.0], None),
+        ("token_mask", 0.0, 3.0): ([0.5, 2.0, 0.0], [False, False, True]),
+        ("token_mask", 1.0, 3.0): ([0.0, 2.0, 0.0], [True, False, True]),
+        ("sequence_truncate", 0.0, 3.0): ([3.0, 3.0, 3.0], None),
+        ("sequence_mask", 0.0, 3.0): ([0.0, 0.0, 0.0], [True, True, True]),
+        ("sequence_mask", 0.0, 5.0): ([4.0, 4.0, 4.0], [False, False, False]),
+    }
+    for (mode, is_min, is_max), (weight, dropped) in cases.items():
+        w, ratio, outside = importance_weight(old, sampling, mask, mode, is_min, is_max)
+        torch.testing.assert_close(w[0, :3], torch.tensor(weight), msg=mode)
+        expected_ratio = [4.0] * 3 if mode.startswith("sequence") else [0.5, 2.0, 4.0]
+        torch.testing.assert_close(ratio[0, :3], torch.tensor(expected_ratio), msg=mode)
+        assert (outside is None) == (dropped is None)
+        if dropped is not None:
+            assert outside[0, :3].tolist() == dropped, mode
+
+
+def test_off_policy_keep_by_hand():
+    """Drop a sequence only when A < 0 and its mean sampled KL(sampler || policy) exceeds delta (eq. 9)."""
+    logps = torch.zeros(4, 2)
+    sampling = torch.tensor([[0.5, 0.5], [0.5, 0.5], [0.1, 0.1], [0.5, 9.0]])  # KL 0.5, 0.5, 0.1 and 0.5 (masked 9)
+    mask = torch.tensor([[1, 1], [1, 1], [1, 1], [1, 0]])
+    keep = off_policy_keep(torch.tensor([1.0, -1.0, -1.0, -1.0]), logps, sampling, mask, 0.3)
+    assert keep.tolist() == [True, False, True, False]
+    assert off_policy_keep(torch.tensor([0.0, -1.0, -1.0, -1.0]), logps, sampling, mask, 0.5).all()
+
+
+def test_truncated_completions_leave_the_loss():
+    """A truncated sequence drops out of the loss, its KL, the entropy bonus and the normaliser: the loss is what
+    the other sequences give alone, over the same minibatch count (grpo) or its kept tokens (dapo)."""
+    logps, old, ref, adv, mask, ent, _ = _gradcheck_inputs()
+    truncated = torch.tensor([False, True, False, False])
+    keep = ~truncated
+    kw = dict(beta=0.04, entropies=ent, entropy_coef=0.01)
+    for loss_type, extra, extra_kept in (("grpo", dict(num_sequences=4), dict(num_sequences=4)),
+                                         ("dapo", dict(num_items=minibatch_tokens(mask, truncated)),
+                                          dict(num_items=mask[keep].sum()))):
+        loss, _ = grpo_loss(logps, old, ref, adv, mask, loss_type=loss_type, truncated=truncated, **kw, **extra)
+        alone, _ = grpo_loss(logps[keep], old[keep], ref[keep], adv[keep], mask[keep], loss_type=loss_type,
+                             **dict(kw, entropies=ent[keep]), **extra_kept)
+        torch.testing.assert_close(loss, alone)
+    assert minibatch_tokens(mask, truncated).item() == mask.sum().item() - 3
+
+
+def test_high_entropy_mask_keeps_the_top_quantile():
+    """Entropies 0..9 at 10 unmasked tokens (and masked ones higher still): rho = 0.2 keeps the two highest, as
+    TRL's get_high_entropy_mask (quantile 1 - rho, tokens >= it); rho = 1 keeps all; the quantile is torch's."""
+    entropies = torch.tensor([[0.0, 1, 2, 3, 100], [4, 5, 6, 7, 100], [8, 9, 100, 100, 100]])
+    mask = entropies < 100
+    high = high_entropy_mask(entropies, mask, 0.2)
+    assert high.sum() == 2 and high[2, :2].all()
+    assert torch.equal(high_entropy_mask(entropies, mask, 1.0), mask)
+    values = torch.rand(1000, generator=torch.Generator().manual_seed(0))
+    for q in (0.0, 0.3, 0.8, 1.0):
+        ours = quantile_over_ranks(values.view(10, 100), torch.ones(10, 100), q)
+        assert ours.item() == pytest.approx(torch.quantile(values, q).item(), abs=1e-7)
+    assert quantile_over_ranks(values.view(10, 100), torch.zeros(10, 100), 0.5) == float("inf")  # no token
+
+
+def test_knobs_fire_and_their_metrics():
+    """The "knobs" option set removes some tokens with every mask and keeps others (or the tests above prove
+    little), and logs each knob's metric; with every knob off, no new metric appears."""
+    (logits, *rest), kw = _micro_batch(OPTIONS["knobs"])
+    _, metrics = policy_loss(logits, *rest, loss_type="grpo", **kw)
+    for key in ("frac_masked_truncated", "frac_is_masked", "frac_off_policy_masked", "frac_low_entropy"):
+        assert 0 < metrics[key] < 1, (key, metrics[key])
+    assert metrics["frac_masked_truncated"] == pytest.approx(3 / 9)  # the third sequence: 3 of the 9 tokens
+    assert metrics["frac_low_entropy"] == pytest.approx(2 / 9)  # of the 6 kept tokens, 2 are not in the top
+    assert 0 < metrics["is_ratio_mean"] < metrics["is_ratio_max"]
+    _, plain = policy_loss(logits, *rest, loss_type="grpo", **_micro_batch(OPTIONS["plain"])[1])
+    assert list(plain) == ["clip_low", "clip_high", "clip_region", "ratio_mean", "kl", "loss", "tokens"]
+
+
+def test_step_metrics_takes_the_max_of_a_max():
+    micro = [dict(clip_low=0.5, is_ratio_max=2.0, loss=1.0, tokens=1.0), dict(clip_low=0.0, is_ratio_max=3.0,
+                                                                                loss=2.0, tokens=3.0)]
+    logged = step_metrics(micro, [torch.tensor(1.0)])
+    assert logged == dict(clip_low=0.125, is_ratio_max=3.0, loss=3.0, grad_norm=1.0)
+
+
+# ---- the knobs: autograd through a naive implementation --------------------------------------------
+
+def _naive_policy_loss(logits, ids, A, mask, old, ref, sampling, *, minibatch_size, minibatch_tokens, loss_type,
+                       temperature=1.0, epsilon_low=0.2, epsilon_high=0.2, beta=0.0, entropy_coef=0.0,
+                       importance_sampling_level="token", is_correction="off", is_min=0.0, is_max=3.0,
+                       off_policy_mask=None, kl_bias_correction=False, sapo_tau_pos=1.0, sapo_tau_neg=1.05,
+                       truncated=None, high_entropy=None, max_completion_length=None):
+    """The loss of every option, token by token in plain Python over each sequence: no loss.py code."""
+    logp_all = torch.log_softmax(logits / temperature, -1)  # (n, T, V)
+    p_all = logp_all.exp()
+    total, bonus = 0.0, 0.0
+    for i in range(logits.shape[0]):
+        tokens = [t for t in range(logits.shape[1]) if mask[i, t] and not (truncated is not None and truncated[i])]
+        lp = [logp_all[i, t, ids[i, t]] for t in tokens]
+        o = [old[i, t] if old is not None else lp[k].detach() for k, t in enumerate(tokens)]
+        ratios = [torch.exp(lp[k] - o[k]) for k in range(len(tokens))]
+        if importance_sampling_level == "sequence" and tokens:
+            seq = torch.exp(sum(lp[k] - o[k] for k in range(len(tokens))) / len(tokens))
+            ratios = [seq] * len(tokens)
+        # IS weights, from every unmasked token of the sequence
+        all_tokens = [t for t in range(logits.shape[1]) if mask[i, t]]
+        o_all = {t: old[i, t] if old is not None else logp_all[i, t, ids[i, t]].detach() for t in all_tokens}
+        diffs = {t: float(o_all[t] - sampling[i, t]) for t in all_tokens}
+        weights = {t: 1.0 for t in all_tokens}
+        if is_correction != "off":
+            for t in all_tokens:
+                r = math.exp(sum(diffs.values())) if is_correction.startswith("sequence") else math.exp(diffs[t])
+                if is_correction.endswith("truncate"):
+                    weights[t] = min(max(r, is_min), is_max)
+                else:
+                    weights[t] = r if is_min <= r <= is_max else 0.0
+        if off_policy_mask is not None and all_tokens:
+            seq_kl = sum(float(sampling[i, t] - logp_all[i, t, ids[i, t]].detach()) for t in all_tokens) / len(all_tokens)
+            if A[i] < 0 and seq_kl > off_policy_mask:
+                weights = {t: 0.0 for t in all_tokens}
+        losses = []
+        for k, t in enumerate(tokens):
+            r = ratios[k]
+            if loss_type == "cispo":
+                pg = -min(float(r.detach()), epsilon_high) * A[i] * lp[k]
+            elif loss_type == "sapo":
+                tau = sapo_tau_pos if A[i] > 0 else sapo_tau_neg
+                pg = -torch.sigmoid(tau * (r - 1)) * 4 / tau * A[i]
+            else:
+                pg = -torch.minimum(r * A[i], torch.clamp(r, 1 - epsilon_low, 1 + epsilon_high) * A[i])
+            w = weights[t] * (1.0 if high_entropy is None else float(high_entropy[i, t]))
+            d = ref[i, t] - lp[k]
+            kl = torch.exp(d) - d - 1
+            losses.append(pg * w + beta * (kl * r if kl_bias_correction else kl))
+            bonus = bonus + entropy_coef * -(p_all[i, t] * logp_all[i, t]).sum() / minibatch_tokens
+        if losses and loss_type in ("grpo", "sapo"):
+            total = total + sum(losses) / len(losses) / minibatch_size
+        elif losses and loss_type == "dr_grpo":
+            total = total + sum(losses) / (minibatch_size * max_completion_length)
+        elif losses:
+            total = total + sum(losses) / minibatch_tokens
+    return total - bonus
+
+
+@pytest.mark.parametrize("loss_type, options", list(itertools.product(
+    LOSS_TYPES, ("all", "on_policy_tis", "gspo", "knobs", "token_mask"))))
+def test_policy_loss_matches_a_naive_implementation(loss_type, options):
+    """Loss and gradient w.r.t. the logits (float64), for every loss type with every knob."""
+    (logits, *rest), kw = _micro_batch(OPTIONS[options])
+    logits = logits.detach().double().requires_grad_()
+    rest = [x.double() if x is not None and x.is_floating_point() else x for x in rest]
+    kw["minibatch_tokens"] = minibatch_tokens(rest[2], kw.get("truncated"))
+    loss, _ = policy_loss(logits, *rest, loss_type=loss_type, **kw)
+    (grad,) = torch.autograd.grad(loss, logits)
+    naive = _naive_policy_loss(logits, *rest, loss_type=loss_type, **kw)
+    (naive_grad,) = torch.autograd.grad(naive, logits)
+    torch.testing.assert_close(loss, naive, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad, naive_grad, rtol=1e-10, atol=1e-12)

