@@ -289,10 +289,13 @@ def report(records, wall, others, steps, key, speed, floor, params, prompt_len, 
     fmt = [r["reward/think_format_reward"] for r in trained]
     acc = [r["reward/accuracy_reward"] for r in trained]
     third = max(1, len(trained) // 3)
+    command = f"python -m bench real --max-minutes {args.max_minutes:g}"
+    if args.steps:
+        command = f"python -m bench real --steps {args.steps}"
+    if args.threads != 1:
+        command += f" --threads {args.threads}"
     lines = [
-        f"Command: `python -m bench real --max-minutes {args.max_minutes:g}"
-        + (f" --steps {args.steps}" if args.steps else "")
-        + (f" --threads {args.threads}" if args.threads != 1 else "") + "`. "
+        f"Command: `{command}`. "
         f"Tree `{tree()}`. {params / 1e6:.1f}M parameters; prompts {prompt_len:.0f} tokens "
         f"(the R1 system prompt); train.py flags `{' '.join(flags)}`; word problems "
         f"`{PROBLEMS}`, {num_eval} held out.",

@@ -5,7 +5,7 @@ SmolLM2-135M-Instruct (tests/real_model.py) on word problems whose answers are 4
 train.py with --tools python, and the same run without tools as the control: the same prompts (the
 tools' system prompt, "Use Python." after each question), flags and seed; only --tools differs.
 
-    python -m bench tools_run              # two runs of --steps (default 20), then the table
+    python -m bench tools_run              # two runs of --steps (default 12), then the table
     python -m bench tools_run --tiny       # 1 step each, 4 held-out problems: checks the script
 
 Reported: held-out greedy accuracy (final_number_reward) and the share of held-out completions
@@ -115,7 +115,7 @@ def bench_tools_run(args):
         print(f"tools_run: no real model here ({reason})")
         return
     torch.set_num_threads(args.threads)
-    steps = TINY["steps"] if args.tiny else args.steps or 20
+    steps = TINY["steps"] if args.tiny else args.steps or 12
     num_eval = TINY["num_eval"] if args.tiny else NUM_EVAL
     num_train = TINY["num_train"] if args.tiny else NUM_TRAIN
     max_new = 24 if args.tiny else MAX_NEW
