@@ -99,7 +99,7 @@ add("--eval-reward", default=None,
 add("--reward-timeout", type=number(float, 0, 1800, low_open=True), default=300,
     help="seconds a reward function may take on a batch; more ends the run, naming it")
 # --- optimization
-add("--steps", type=int_, default=700, help="GRPO steps (one rollout batch each)")
+add("--steps", type=int_, default=400, help="GRPO steps (one rollout batch each)")
 add("--lr", type=pos, default=None, help="recipe: 3e-4 tiny model / 1e-6 --model (x10 with LoRA)")
 add("--warmup-steps", type=number(int, 0), default=10)
 add("--weight-decay", type=number(float, 0), default=0.0)
