@@ -245,8 +245,8 @@ def bench_real(args):
               f"GFLOP/s, bf16 {f['bfloat16']:.0f} GFLOP/s", flush=True)
 
     # 2) speed: 2 steps per setting, the last one's figures. A CPU without bf16 units (AVX2 only)
-    # multiplies bf16 tens of times slower than fp32 (one step took 21 min): then the bf16 rows
-    # are left out and the floor line says why
+    # multiplies bf16 tens of times slower than fp32 (docs/benchmarks.md): then the bf16 rows are
+    # left out and the floor line says why
     slow_bf16 = floor[1]["bfloat16"] < floor[1]["float32"] / 2
     grid = GRID[:1] if args.tiny else GRID
     if slow_bf16:
@@ -258,8 +258,7 @@ def bench_real(args):
         out = os.path.join(work, f"speed_{engine}_{dtype}_{threads}")
         records, wall, others = train(out, model, dataset, engine, dtype, threads, 2, flags, 1,
                                       False)
-        s = floors(records[-1], dtype, floor[threads], params, head, prompt_len,
-                   flags)
+        s = floors(records[-1], dtype, floor[threads], params, head, prompt_len, flags)
         speed[engine, dtype, threads] = dict(s, others=others)
         print(f"speed {engine} {dtype} x {threads}: step {s['step_s']:.1f} s, rollout "
               f"{s['rollout_s']:.1f} s ({s['rollout_tok_s']:.0f} tok/s, "
