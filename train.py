@@ -90,9 +90,7 @@ try:
     resume_from, saved = checkpoint.resume_point(args.out_dir, args.resume, run_config, log=print0)
 except ValueError as e:
     fail(str(e))
-wandb = None
-if args.wandb:
-    wandb = require("wandb", "--wandb needs the wandb package: pip install wandb")
+wandb = args.wandb and require("wandb", "--wandb needs the wandb package: pip install wandb")
 
 # -----------------------------------------------------------------------------
 # Setup: data, model, reference, optimizer, rollout engine, the resumed state
@@ -128,7 +126,9 @@ if args.beta > 0:  # simplification 3
     ref_model = load_reference(raw_model, init_path, dtype, device, args.fsdp)
 model = wrap_ddp(raw_model, device) if ddp and not args.fsdp else raw_model
 trained = [p for p in raw_model.parameters() if p.requires_grad]  # LoRA: the adapters only
-optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay)
+# fused: one kernel for all tensors, not a loop of small ops (FSDP2's DTensors: the loop)
+optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
+                              fused=not args.fsdp)
 mark("models")
 engine_kind, engine_why = pick_engine(args.engine, raw_model, args.vllm_tp)
 if args.vllm_mode == "server":
@@ -156,11 +156,10 @@ if resume_from:  # RNG states last: the engine's start-up reseeds torch
 if args.vllm_mode == "server":  # the server may hold other weights (a restart, a resumed run)
     engine.sync_weights(model, version=start_step)  # the weights after start_step updates
 mark("engine")
-n_params = sum(p.numel() for p in raw_model.parameters())
-n_trained = sum(p.numel() for p in trained)
-print0(f"engine {type(engine).__name__} ({engine_why}), {world} rank(s), device {device}, "
-       f"loss {loss_impl} ({loss_why}), {n_params / 1e6:.2f}M params "
-       f"({n_trained / 1e6:.3g}M trained), {len(train_rows)} train prompts")
+n_params, n_trained = (sum(p.numel() for p in ps) / 1e6 for ps in (raw_model.parameters(), trained))
+print0(f"engine {type(engine).__name__} ({engine_why}), {world} rank(s) x "
+       f"{torch.get_num_threads()} thread(s), device {device}, loss {loss_impl} ({loss_why}), "
+       f"{n_params:.2f}M params ({n_trained:.3g}M trained), {len(train_rows)} train prompts")
 wandb_run = wandb.init(project=args.wandb, config=vars(args)) if wandb and master else None
 # the loss's hyperparameters: the same for every micro-batch
 loss_hparams = loss_options(args, loss_impl)
@@ -344,13 +343,11 @@ for step in bar:
     lengths = completion_mask.sum(1)  # (N,)
     record = dict(step=step, **reward_stats, **sampling_stats)
     record.update(step_metrics(micro_metrics, grad_norms))  # over all micro-batches and ranks
-    record["adv_mean"] = advantages.mean().item()
-    record["adv_abs_mean"] = advantages.abs().mean().item()
+    record.update(adv_mean=advantages.mean().item(), adv_abs_mean=advantages.abs().mean().item())
     record["lr"] = cosine_lr(opt_step - 1, opt_steps_total, args.lr, args.warmup_steps)
     record["sampled_entropy"] = -(sampling_logps * completion_mask).sum().item() / lengths.sum().item()
-    record["len_mean"] = lengths.mean().item()
-    record["len_min"] = lengths.min().item()
-    record["len_max"] = lengths.max().item()
+    record.update(len_mean=lengths.mean().item(), len_min=lengths.min().item(),
+                  len_max=lengths.max().item())
     record["truncated"] = 1 - rollout.is_finished.float().mean().item()
     record.update(tool_metrics(rollout))  # --tools: tool_calls_mean, tool_error_rate, tool_seconds
     if sampler_version is not None:  # server mode: which weights sampled it, which trained on it

@@ -52,6 +52,8 @@ def parse_args():
                         help="trl: one comparison per seed")
     parser.add_argument("--steps", type=int, default=None,
                         help="trl: GRPO steps of each run (default: train.py's)")
+    parser.add_argument("--no-vllm", action="store_true",
+                        help="trl: leave out train.py --engine vllm")
     parser.add_argument("--eval-every", type=int, default=25,
                         help="trl: held-out evaluation every N steps, both trainers")
     # _memory_step: its one setting

@@ -86,9 +86,9 @@ def bench_trl(args):
     default task and recipe, per seed, one after the other: the same tiny model
     (task.save_tiny_model), data, rewards and weights, 32 prompts x G = 8 a step, one optimizer step
     per batch, lr 3e-4 (10 warmup steps, cosine to lr/10), entropy bonus 0.1, beta 0, eps 0.2, grad
-    clip 1, loss "grpo", 1 torch thread; held-out greedy accuracy on the same 500 prompts every
-    --eval-every steps (not timed). Prints s/step, the first step >= 0.95, the training time to it
-    and the wall time."""
+    clip 1, loss "grpo", --threads torch threads each; held-out greedy accuracy on the same 500
+    prompts every --eval-every steps (not timed). Prints s/step, the first step >= 0.95, the
+    training time to it and the wall time."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import config
@@ -135,21 +135,24 @@ def bench_trl(args):
         trainer.train()
         name = f"TRL {trl.__version__} GRPOTrainer"
         rows.append((name, seed, *run_summary(timer.records), time.time() - t_start))
-        for name, engine, folder in (("tinygrpo (default: auto)", [], "auto"),
-                                     ("tinygrpo --engine vllm", ["--engine", "vllm"], "vllm")):
+        ours = [("tinygrpo (default: auto)", [], "auto")]
+        if not args.no_vllm:
+            ours.append(("tinygrpo --engine vllm", ["--engine", "vllm"], "vllm"))
+        for name, engine, folder in ours:
             out, t0 = os.path.join(work, folder), time.time()
             cmd = [sys.executable, "train.py", "--seed", str(seed), "--steps", str(steps),
                    "--out-dir", out, "--threads", str(args.threads),
                    "--eval-every", str(args.eval_every), *engine]
             subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
             rows.append((name, seed, *run_summary(read_metrics(out)), time.time() - t0))
-        trl_median, trl_to = rows[-3][2], rows[-3][4]
-        for name, seed_, median, first, to_095, wall in rows[-3:]:
+        trl_median, trl_to = rows[-1 - len(ours)][2], rows[-1 - len(ours)][4]
+        for name, seed_, median, first, to_095, wall in rows[-1 - len(ours):]:
             line = (f"seed {seed_} {name:<26} {median:.3f} s/step ({trl_median / median:.2f}x "
                     f"TRL's speed) | held-out >= 0.95 at step {first} after "
                     f"{to_095 or float('nan'):.1f} s of training")
             if to_095 and trl_to:
                 line += f" ({trl_to / to_095:.2f}x)"
             print(line + f" | wall {wall:.0f} s", flush=True)
-        print(f"seed {seed}: train.py's runs are in {work}/auto and {work}/vllm "
-              f"(python -m bench runs ... for stages)")
+        folders = ", ".join(folder for *_, folder in ours)
+        print(f"seed {seed}: train.py's runs are in {work} ({folders}): python -m bench runs DIR "
+              f"for their stages")
