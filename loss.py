@@ -40,8 +40,7 @@ Simplifications:
    its gradient (logp - logp.detach()), so the loss is the plain policy gradient.
 2. The KL term needs ref_logps only when beta != 0; w_t never weighs it.
 3. Metrics: masked token means over the completion tokens (truncated ones too), one sync; frac_*
-   are the shares a mask removes. The IS ratio and the off-policy mask take the current log-probs,
-   detached, when old_logps=None (the mask always: TRL).
+   are a mask's shares. On-policy the IS ratio takes the current log-probs; the off-policy mask too.
 4. The entropy mask is drawn once a step, before the update: every micro-batch and pass sees the
    same tokens (TRL redraws it per micro-batch); the bonus stays over all kept tokens.
 """
@@ -165,11 +164,11 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
               epsilon_low=0.2, epsilon_high=0.2, beta=0.0, num_items=None,
               max_completion_length=None, num_sequences=None, importance_sampling_level="token",
               entropies=None, entropy_coef=0.0, token_weight=None, truncated=None,
-              kl_bias_correction=False, sapo_tau_pos=1.0, sapo_tau_neg=1.05):
+              kl_bias_correction=False, sapo_tau_pos=1.0, sapo_tau_neg=1.05, counts=None):
     """The policy objective + k3 KL (- entropy bonus) -> (scalar loss, metrics dict of floats).
     logps, old_logps, ref_logps, mask, entropies, token_weight (policy_weight): (B, T); advantages,
-    truncated (bool: leave the loss): (B,). num_sequences, num_items: the minibatch's, when this
-    batch is one of its micro-batches (reduce_loss)."""
+    truncated (bool: leave the loss), counts (rows each one stands for: unique_rows): (B,).
+    num_sequences, num_items: the minibatch's, for one of its micro-batches (reduce_loss)."""
     _check(loss_type, num_items, max_completion_length, importance_sampling_level)
     if beta != 0 and ref_logps is None:
         raise ValueError(f"beta={beta} needs ref_logps (the reference's log-probs), or set beta=0")
@@ -195,10 +194,12 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
         if beta != 0:
             per_token = per_token + beta * (kl * ratio if kl_bias_correction else kl)
     kept = kept_mask(mask, truncated)  # (B, T)
-    loss = reduce_loss(per_token, kept, loss_type, num_items, max_completion_length, num_sequences)
+    loss = reduce_loss(per_token, kept, loss_type, num_items, max_completion_length, num_sequences,
+                       counts)
+    w = 1.0 if counts is None else counts.unsqueeze(-1)  # (B, 1): weighs the bonus and means
     if entropies is not None and entropy_coef != 0:  # maximise entropy: keeps exploring
-        loss = loss - entropy_bonus(entropies, kept, entropy_coef, num_items)
-    return loss, token_stats(mask, _stats(loss_type, clip_low, clip_high, ratio, kl, entropies))
+        loss = loss - entropy_bonus(entropies, kept * w, entropy_coef, num_items)
+    return loss, token_stats(mask * w, _stats(loss_type, clip_low, clip_high, ratio, kl, entropies))
 
 
 # -----------------------------------------------------------------------------
@@ -223,13 +224,12 @@ def policy_loss(logits, completion_ids, advantages, completion_mask, old_logps=N
                 epsilon_low=0.2, epsilon_high=0.2, beta=0.0, entropy_coef=0.0,
                 importance_sampling_level="token", is_correction="off", is_min=0.0, is_max=3.0,
                 off_policy_mask=None, kl_bias_correction=False, sapo_tau_pos=1.0,
-                sapo_tau_neg=1.05, max_completion_length=None, impl="torch"):
-    """-> (this micro-batch's share of the minibatch loss, ready for .backward(); metrics: floats
-    with the same names whichever path ran: _stats's, each knob's (policy_weight), loss (that
-    share), tokens (its completion tokens)). logits (n, T, V); completion_ids, completion_mask,
-    old/ref/sampling_logps, high_entropy (n, T); advantages, truncated (n,). minibatch_size:
-    sequences in the minibatch on this rank; minibatch_tokens: minibatch_tokens(its mask,
-    truncated). impl: "torch" or "triton" (choose_impl)."""
+                sapo_tau_neg=1.05, max_completion_length=None, impl="torch", counts=None):
+    """-> (this micro-batch's share of the minibatch loss, for .backward(); metrics: floats named
+    the same whichever path ran: _stats's, each knob's (policy_weight), loss (that share), tokens).
+    logits (n, T, V); completion_ids, completion_mask, old/ref/sampling_logps, high_entropy (n, T);
+    advantages, truncated, counts (n,). minibatch_size: the minibatch's sequences on this rank;
+    minibatch_tokens: minibatch_tokens(its mask, truncated). impl: "torch" or "triton"."""
     _check(loss_type, minibatch_tokens, max_completion_length, importance_sampling_level,
            is_correction)
     if impl not in IMPLS:
@@ -238,14 +238,14 @@ def policy_loss(logits, completion_ids, advantages, completion_mask, old_logps=N
         raise ValueError("impl='triton' has the token-level ratio only; use impl='torch' for "
                          "importance_sampling_level='sequence'")
     share = dict(num_sequences=minibatch_size, num_items=minibatch_tokens,
-                 max_completion_length=max_completion_length)
+                 max_completion_length=max_completion_length, counts=counts)
+    w = 1.0 if counts is None else counts.unsqueeze(-1)  # (n, 1)
     objective = dict(epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta,
                      kl_bias_correction=kl_bias_correction, sapo_tau_pos=sapo_tau_pos,
                      sapo_tau_neg=sapo_tau_neg)
-    logps = None
     entropies = entropy_from_logits(logits, temperature) if entropy_coef else None  # (n, T)
-    if impl == "torch":
-        logps = selective_log_softmax(logits, completion_ids, temperature)  # (n, T)
+    # (n, T); the kernel computes its own
+    logps = selective_log_softmax(logits, completion_ids, temperature) if impl == "torch" else None
     # the current log-probs, constant: the off-policy mask's, and the IS ratio's when on-policy
     current = None if logps is None else logps.detach()  # (n, T)
     needs_current = off_policy_mask is not None or (is_correction != "off" and old_logps is None)
@@ -274,13 +274,13 @@ def policy_loss(logits, completion_ids, advantages, completion_mask, old_logps=N
         kept = kept_mask(completion_mask, truncated)  # (n, T)
         loss = reduce_loss(per_token, kept, loss_type, **share)
         if entropies is not None:
-            loss = loss - entropy_bonus(entropies, kept, entropy_coef, minibatch_tokens)
-        metrics = token_stats(completion_mask, _fused_stats(
+            loss = loss - entropy_bonus(entropies, kept * w, entropy_coef, minibatch_tokens)
+        metrics = token_stats(completion_mask * w, _fused_stats(
             loss_type, logps, old_logps, ref_logps, completion_mask, stats, entropies))
     if knob_stats:
-        metrics.update(token_stats(completion_mask, knob_stats))
+        metrics.update(token_stats(completion_mask * w, knob_stats))
     metrics["loss"] = loss.item()
-    metrics["tokens"] = completion_mask.sum().item()
+    metrics["tokens"] = (completion_mask * w).sum().item()
     return loss, metrics
 
 

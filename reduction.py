@@ -47,22 +47,24 @@ def kept_mask(mask, truncated=None):
 
 
 def reduce_loss(per_token_loss, mask, loss_type="grpo", num_items=None,
-                max_completion_length=None, num_sequences=None):
+                max_completion_length=None, num_sequences=None, counts=None):
     """(B, T) per-token loss and completion mask -> scalar, normalised as loss_type says.
     For a micro-batch of a minibatch pass the minibatch's num_sequences (grpo, dr_grpo) and
     num_items (bnpo, dapo: its unmasked tokens, all ranks / W, see minibatch_tokens): the
-    micro-batches' results then add up to the minibatch's. Without them the batch is its own."""
+    micro-batches' results then add up to the minibatch's. Without them the batch is its own.
+    counts (B,): the identical sequences each row stands for (unique_rows); None: 1 each."""
     check_reduction(loss_type, num_items, max_completion_length)
     reduction = REDUCTION[loss_type]
     mask = mask.to(per_token_loss.dtype)  # (B, T)
-    masked = per_token_loss * mask  # (B, T)
-    B = num_sequences or per_token_loss.size(0)
+    w = 1.0 if counts is None else counts.to(mask.dtype).unsqueeze(-1)  # (B, 1)
+    masked = per_token_loss * mask * w  # (B, T)
+    B = num_sequences or (per_token_loss.size(0) if counts is None else counts.sum())
     if reduction == "grpo":  # each sequence weighs the same, whatever its length
         return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / B
     if reduction == "dr_grpo":  # constant normaliser: no bias toward short or long answers
         return masked.sum() / (B * max_completion_length)
     # bnpo, dapo: each token of the minibatch weighs the same
-    return masked.sum() / _tokens(mask, num_items)
+    return masked.sum() / _tokens(mask * w, num_items)
 
 
 def _tokens(mask, num_items):
@@ -80,6 +82,29 @@ def minibatch_tokens(mask, truncated=None):
         dist.all_reduce(tokens)
         tokens = tokens / dist.get_world_size()
     return tokens
+
+
+def unique_rows(prompt_row, completion_ids, completion_mask, advantages):
+    """Identical completions of one prompt (the same tokens, mask and advantage) have the same loss
+    terms: -> (keep (n,): the first row of each distinct one, in order; counts (n,): the rows each
+    stands for). Trained on the n rows, each weighed by its count (policy_loss's counts), the loss
+    and gradient are those of all N rows, to rounding; the default task's late steps are half
+    duplicates. train.py applies it with one forward a step (with micro-batches, ranks could run
+    unequal numbers of forwards, each a collective under DDP and FSDP2), and not where the sampler's
+    per-row log-probs enter the loss (--async, --is-correction, --off-policy-mask)."""
+    first = {}  # a distinct row -> its index in keep
+    keep, counts = [], []
+    columns = (prompt_row.tolist(), completion_ids.tolist(), completion_mask.tolist(),
+               advantages.tolist())
+    for i, (prompt, ids, mask, advantage) in enumerate(zip(*columns)):
+        key = (prompt, tuple(ids), tuple(mask), advantage)
+        if key not in first:
+            first[key] = len(keep)
+            keep.append(i)
+            counts.append(0)
+        counts[first[key]] += 1
+    return (torch.tensor(keep, device=completion_ids.device),
+            torch.tensor(counts, dtype=torch.float32, device=completion_ids.device))
 
 
 def entropy_bonus(entropies, mask, entropy_coef, num_items=None):

@@ -61,6 +61,7 @@ from common import (barrier, ddp, fail, in_background, mark, master, print0, ran
                     result_everywhere, seed_all, setup, startup_line, step_line, world)
 from lora import lora_config
 from loss import choose_impl, loss_options, minibatch_tokens, policy_loss, step_masks, step_metrics
+from reduction import unique_rows
 from model import (completion_logits, load_model, load_reference, load_tokenizer,
                    prompt_batch, sequence_logps, wrap_ddp)
 from reward import get_reward_funcs, pass_at_k, score
@@ -145,8 +146,7 @@ else:
         fail(f"--engine {args.engine}: vLLM is not installed ({e}); pip install -r "
              f"requirements-cpu.txt, or use --engine hf")
 engine = with_tools(engine, tokenizer, args)  # --tools python: ToRL's tool loop (tools.py)
-start_step = 0
-opt_step = 0
+start_step, opt_step = 0, 0
 consumed = 0  # prompts drawn so far (data.batch_indices)
 ahead = None  # --async: the next batch, sampled while this step trains
 if resume_from:  # RNG states last: the engine's start-up reseeds torch
@@ -198,11 +198,9 @@ def evaluate():
     totals = torch.tensor([greedy.sum(), sampled.mean(1).sum(), *passes, len(rows)], device=device)
     if ddp:
         dist.all_reduce(totals)
-    result = dict(eval_greedy=(totals[0] / totals[-1]).item(),
-                  eval_sampled=(totals[1] / totals[-1]).item())
-    for k, p in zip(eval_k, totals[2:]):
-        result[f"pass@{k}"] = (p / totals[-1]).item()
-    return result
+    means = (totals[:-1] / totals[-1]).tolist()
+    return dict(eval_greedy=means[0], eval_sampled=means[1],
+                **{f"pass@{k}": p for k, p in zip(eval_k, means[2:])})
 
 
 def cosine_lr(it, total, lr, warmup):
@@ -282,17 +280,20 @@ for step in bar:
     model.eval()  # no dropout: the ratio must compare the same function
     by_micro = dict(temperature=args.temperature, micro=micro, dtype=dtype)
     is_corrected = loss_hparams["is_correction"] != "off"  # against the sampler's log-probs
-    off_policy = args.num_iterations > 1 or minibatch < N or is_corrected
     old_logps = None  # (N, T), None: on-policy, the ratio is 1 (simplification 2)
     if args.async_ and not is_corrected:  # the behaviour policy's (README: --async)
         old_logps = sampling_logps
-    elif off_policy:
+    elif args.num_iterations > 1 or minibatch < N or is_corrected:  # off-policy
         old_logps = sequence_logps(raw_model, prompts, completion_ids, **by_micro)
     ref_logps = None  # (N, T)
     if ref_model is not None:
         ref_logps = sequence_logps(ref_model, prompts, completion_ids, **by_micro)
     # (N,) truncated, (N, T) high-entropy tokens over all ranks: only for the flags that ask
     masks = step_masks(args, raw_model, prompts, rollout, **by_micro)
+    # one row of each set of identical completions, weighed by its size (reduction.unique_rows)
+    keep, counts = torch.arange(N, device=device), None  # (n,) the rows trained, (n,) their weights
+    if micro == N and not (args.async_ or is_corrected or args.off_policy_mask is not None):
+        keep, counts = unique_rows(prompts[3], completion_ids, completion_mask, advantages)
     micro_metrics, grad_norms = [], []
     for _ in range(args.num_iterations):
         for mb in range(0, N, minibatch):
@@ -301,10 +302,11 @@ for step in bar:
             # all ranks' unmasked tokens / ranks: DDP averages the gradients
             truncated = rows_of(masks.get("truncated"), slice(mb, mb + minibatch))  # (minibatch,)
             mb_tokens = minibatch_tokens(completion_mask[mb:mb + minibatch], truncated)
-            for mc in range(mb, mb + minibatch, micro):
-                r = slice(mc, mc + micro)
+            mb_rows = keep[mb:mb + minibatch]  # (m,) the minibatch's rows (or the distinct ones)
+            for mc in range(0, len(mb_rows), micro):
+                r = mb_rows[mc:mc + micro]  # (n,) this micro-batch's rows
                 # reduce gradients once per minibatch (nanoGPT's trick)
-                last_micro = mc + micro == mb + minibatch
+                last_micro = mc + micro >= len(mb_rows)
                 if args.fsdp:
                     raw_model.set_requires_gradient_sync(last_micro)
                 elif ddp:
@@ -314,10 +316,11 @@ for step in bar:
                     logits, completion_ids[r], advantages[r], completion_mask[r],
                     old_logps=rows_of(old_logps, r), ref_logps=rows_of(ref_logps, r),
                     sampling_logps=sampling_logps[r], minibatch_size=minibatch, **loss_hparams,
-                    minibatch_tokens=mb_tokens, **{k: v[r] for k, v in masks.items()})
+                    minibatch_tokens=mb_tokens, counts=rows_of(counts, slice(mc, mc + micro)),
+                    **{k: v[r] for k, v in masks.items()})
                 loss.backward()
                 micro_metrics.append(metrics)
-            max_norm = args.grad_clip or float("inf")
+            max_norm = args.grad_clip or math.inf
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), max_norm)
             if isinstance(grad_norm, DTensor):
                 grad_norm = grad_norm.full_tensor()
@@ -345,9 +348,9 @@ for step in bar:
     record.update(step_metrics(micro_metrics, grad_norms))  # over all micro-batches and ranks
     record.update(adv_mean=advantages.mean().item(), adv_abs_mean=advantages.abs().mean().item())
     record["lr"] = cosine_lr(opt_step - 1, opt_steps_total, args.lr, args.warmup_steps)
+    record["rows_trained"] = len(keep) / N  # 1 - the share of duplicates the update left out
     record["sampled_entropy"] = -(sampling_logps * completion_mask).sum().item() / lengths.sum().item()
-    record.update(len_mean=lengths.mean().item(), len_min=lengths.min().item(),
-                  len_max=lengths.max().item())
+    record.update({f"len_{k}": getattr(lengths, k)().item() for k in ("mean", "min", "max")})
     record["truncated"] = 1 - rollout.is_finished.float().mean().item()
     record.update(tool_metrics(rollout))  # --tools: tool_calls_mean, tool_error_rate, tool_seconds
     if sampler_version is not None:  # server mode: which weights sampled it, which trained on it

@@ -8,7 +8,8 @@ import torch
 
 from loss import (LOSS_TYPES, choose_impl, entropy_from_logits, grpo_loss, importance_weight, off_policy_keep,
                   policy_loss, policy_weight, reduce_loss, resolve_impl, selective_log_softmax, step_metrics)
-from reduction import REDUCTION, high_entropy_mask, minibatch_tokens, quantile_over_ranks, token_stats
+from reduction import (REDUCTION, high_entropy_mask, minibatch_tokens, quantile_over_ranks, token_stats,
+                       unique_rows)
 
 f64 = dict(dtype=torch.float64)
 
@@ -411,6 +412,53 @@ def test_policy_loss_triton_matches_torch(loss_type, options, monkeypatch):
     assert list(metrics) == list(ref_metrics)
     for key, value in ref_metrics.items():
         assert metrics[key] == pytest.approx(value, abs=1e-6 if key.startswith("clip") else 1e-5, rel=1e-5), key
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")  # intended: see test_kernel.py
+@pytest.mark.parametrize("loss_type, options, impl", [*itertools.product(LOSS_TYPES, OPTIONS, ["torch"]),
+                                                      ("grpo", "all", "triton"), ("dapo", "knobs", "triton")])
+def test_unique_rows_with_counts_are_the_whole_batch(loss_type, options, impl, monkeypatch):
+    """train.py trains one row of each set of identical completions, weighed by its count (reduction.unique_rows):
+    the loss, the gradient of every distinct row's logits and the step's metrics are those of the whole batch, for
+    every loss type and knob, on both paths; in two parts (as two ranks), the token counts that weigh the metrics."""
+    if impl == "triton":
+        pytest.importorskip("triton")
+        import kernels.grpo
+        monkeypatch.setattr(kernels.grpo, "BLOCK_V", 32)
+    (logits, *rest), kw = _micro_batch(OPTIONS[options])
+    index = torch.tensor([0, 0, 1, 2, 2, 2, 3])  # (N,) the whole batch: rows 0 and 2 repeat
+    keep, counts = unique_rows(index, rest[0][index], rest[2][index], rest[1][index])
+    assert keep.tolist() == [0, 2, 3, 6] and counts.tolist() == [2, 1, 3, 1]
+    truncated = kw["truncated"][index] if "truncated" in kw else None  # (N,)
+    shared = dict(kw, minibatch_size=7, minibatch_tokens=minibatch_tokens(rest[2][index], truncated))
+    out = {}
+    for name, parts in (("whole", [index[:3], index[3:]]), ("unique", [torch.arange(2), torch.arange(2, 4)])):
+        loss, grad, micro_metrics = 0.0, 0.0, []
+        for rows in parts:  # indices of the 4 distinct rows
+            part = [None if x is None else x[rows] for x in rest]
+            part_kw = {k: v[rows] if k in ROW_KW else v for k, v in shared.items()}
+            share, metrics = policy_loss(logits[rows], *part, loss_type=loss_type, impl=impl,
+                                         counts=None if name == "whole" else counts[rows], **part_kw)
+            loss, grad = loss + share, grad + torch.autograd.grad(share, logits)[0]
+            micro_metrics.append(metrics)
+        out[name] = (loss, grad, step_metrics(micro_metrics, [torch.tensor(1.0)]))
+    (loss, grad, logged), (ref_loss, ref_grad, ref_logged) = out["unique"], out["whole"]
+    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=1e-6)
+    assert list(logged) == list(ref_logged)
+    for key, value in ref_logged.items():
+        assert logged[key] == pytest.approx(value, abs=1e-6, rel=1e-6), key
+
+
+def test_unique_rows_tell_apart_prompts_masks_and_advantages():
+    """Equal tokens under another prompt, another mask (a tool output) or another advantage (a reward that is not a
+    function of the text) are other rows."""
+    ids = torch.tensor([[5, 6], [5, 6], [5, 6], [5, 6], [5, 6]])
+    prompt_row = torch.tensor([0, 0, 1, 1, 1])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
+    advantages = torch.tensor([0.5, 0.5, 0.5, 0.5, -0.5])
+    keep, counts = unique_rows(prompt_row, ids, mask, advantages)
+    assert keep.tolist() == [0, 2, 3, 4] and counts.tolist() == [2, 1, 1, 1]
 
 
 def test_choose_impl_says_why_and_policy_loss_errors():

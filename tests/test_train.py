@@ -112,6 +112,19 @@ def test_logged_loss_is_the_minibatch_loss_whatever_the_micro_batch(loss_type, t
         assert max(values) - min(values) <= 1e-5 * max(1.0, abs(values[0])), (key, values)
 
 
+def test_identical_completions_train_as_one_weighed_row(tmp_path):
+    """With one forward a step the update trains one row of each set of identical completions, weighed by its
+    count (reduction.unique_rows): the logged loss, KL, entropy and gradient norm are those of the plain update over
+    every row (micro-batches of half the batch: no deduplication). One-token completions repeat within a group."""
+    args = ["--steps", "1", "--eval-every", "0", "--eval-size", "2", "--prompts-per-step", "4", "--G", "8",
+            "--engine", "hf", "--max-new-tokens", "1", "--beta", "0.04"]
+    deduplicated = run_train(args, tmp_path / "one")[2][1]
+    plain = run_train(args + ["--micro-batch-size", "16"], tmp_path / "two")[2][1]
+    assert deduplicated["rows_trained"] < 1.0 and plain["rows_trained"] == 1.0, (deduplicated, plain)
+    for key in ("loss", "kl", "entropy", "grad_norm"):
+        assert deduplicated[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-7), key
+
+
 def test_old_and_ref_logps_forward_one_micro_batch_at_a_time(tmp_path):
     """old_logps (2 minibatches: off-policy) and ref_logps (beta > 0) never forward more than --micro-batch-size
     sequences: their (n, T+1, V) logits stay bounded by the micro-batch, as the update's do (tests/forward_probe.py
