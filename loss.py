@@ -40,7 +40,7 @@ Simplifications:
    its gradient (logp - logp.detach()), so the loss is the plain policy gradient.
 2. The KL term needs ref_logps only when beta != 0; w_t never weighs it.
 3. Metrics: masked token means over the completion tokens (truncated ones too), one sync; frac_*
-   are a mask's shares. On-policy the IS ratio takes the current log-probs; the off-policy mask too.
+   are a mask's shares. On-policy the IS ratio uses current log-probs; the off-policy mask always.
 4. The entropy mask is drawn once a step, before the update: every micro-batch and pass sees the
    same tokens (TRL redraws it per micro-batch); the bonus stays over all kept tokens.
 """
