@@ -49,7 +49,8 @@ import math
 import torch
 
 from model import entropy_from_logits, selective_log_softmax
-from reduction import REDUCTION, check_reduction, entropy_bonus, kept_mask, reduce_loss, token_stats
+from reduction import (REDUCTION, check_reduction, entropy_bonus, kept_mask, reduce_loss,
+                       row_weights, token_stats)
 # re-exported: train.py, bench/ and the tests import them from here
 from kernels import IMPLS, choose_impl as choose_impl, resolve_impl as resolve_impl
 from reduction import (minibatch_tokens as minibatch_tokens, step_masks as step_masks,
@@ -196,7 +197,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
     kept = kept_mask(mask, truncated)  # (B, T)
     loss = reduce_loss(per_token, kept, loss_type, num_items, max_completion_length, num_sequences,
                        counts)
-    w = 1.0 if counts is None else counts.unsqueeze(-1)  # (B, 1): weighs the bonus and means
+    w = row_weights(counts)  # (B, 1): weighs the bonus and the means
     if entropies is not None and entropy_coef != 0:  # maximise entropy: keeps exploring
         loss = loss - entropy_bonus(entropies, kept * w, entropy_coef, num_items)
     return loss, token_stats(mask * w, _stats(loss_type, clip_low, clip_high, ratio, kl, entropies))
@@ -239,7 +240,7 @@ def policy_loss(logits, completion_ids, advantages, completion_mask, old_logps=N
                          "importance_sampling_level='sequence'")
     share = dict(num_sequences=minibatch_size, num_items=minibatch_tokens,
                  max_completion_length=max_completion_length, counts=counts)
-    w = 1.0 if counts is None else counts.unsqueeze(-1)  # (n, 1)
+    counted = completion_mask * row_weights(counts)  # (n, T): each row as often as it stands for
     objective = dict(epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta,
                      kl_bias_correction=kl_bias_correction, sapo_tau_pos=sapo_tau_pos,
                      sapo_tau_neg=sapo_tau_neg)
@@ -264,9 +265,7 @@ def policy_loss(logits, completion_ids, advantages, completion_mask, old_logps=N
             **share)
     else:
         from kernels import fused_grpo_token_loss  # imports Triton: only when this path runs
-
-        # (n, T) each; logps and stats detached, 0 at masked tokens. The kernel's entropy term
-        # would be weighed by the loss type's reduction: the bonus is added below instead
+        # (n, T) each, detached, 0 at masked; the bonus below is a token mean whatever the loss type
         per_token, logps, stats = fused_grpo_token_loss(
             logits, completion_ids, advantages, completion_mask, old_logps, ref_logps,
             temperature=temperature, entropy_coef=0.0, token_weight=weight,
@@ -274,13 +273,14 @@ def policy_loss(logits, completion_ids, advantages, completion_mask, old_logps=N
         kept = kept_mask(completion_mask, truncated)  # (n, T)
         loss = reduce_loss(per_token, kept, loss_type, **share)
         if entropies is not None:
-            loss = loss - entropy_bonus(entropies, kept * w, entropy_coef, minibatch_tokens)
-        metrics = token_stats(completion_mask * w, _fused_stats(
+            loss = loss - entropy_bonus(entropies, kept_mask(counted, truncated), entropy_coef,
+                                        minibatch_tokens)
+        metrics = token_stats(counted, _fused_stats(
             loss_type, logps, old_logps, ref_logps, completion_mask, stats, entropies))
     if knob_stats:
-        metrics.update(token_stats(completion_mask * w, knob_stats))
+        metrics.update(token_stats(counted, knob_stats))
     metrics["loss"] = loss.item()
-    metrics["tokens"] = (completion_mask * w).sum().item()
+    metrics["tokens"] = counted.sum().item()
     return loss, metrics
 
 

@@ -56,7 +56,7 @@ def reduce_loss(per_token_loss, mask, loss_type="grpo", num_items=None,
     check_reduction(loss_type, num_items, max_completion_length)
     reduction = REDUCTION[loss_type]
     mask = mask.to(per_token_loss.dtype)  # (B, T)
-    w = 1.0 if counts is None else counts.to(mask.dtype).unsqueeze(-1)  # (B, 1)
+    w = row_weights(counts)  # (B, 1)
     masked = per_token_loss * mask * w  # (B, T)
     B = num_sequences or (per_token_loss.size(0) if counts is None else counts.sum())
     if reduction == "grpo":  # each sequence weighs the same, whatever its length
@@ -105,6 +105,11 @@ def unique_rows(prompt_row, completion_ids, completion_mask, advantages):
         counts[first[key]] += 1
     return (torch.tensor(keep, device=completion_ids.device),
             torch.tensor(counts, dtype=torch.float32, device=completion_ids.device))
+
+
+def row_weights(counts):
+    """unique_rows' counts (B,) -> (B, 1), what each row's terms are multiplied by; 1.0 for None."""
+    return 1.0 if counts is None else counts.unsqueeze(-1)
 
 
 def entropy_bonus(entropies, mask, entropy_coef, num_items=None):
