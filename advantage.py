@@ -1,34 +1,39 @@
-"""Group-relative advantages (how GRPO replaces PPO's value network) and DAPO's dynamic sampling.
+"""Group-relative advantages and DAPO's dynamic sampling.
 
-    compute_advantages(rewards, weights, G, ...)  the group z-score of each row's total reward
-    dynamic_sampling(rounds, max_rounds, ...)     drop the groups with no signal, draw more rounds
+The advantages are how GRPO replaces PPO's value network.
 
-The N rows of rewards are N/G groups of G consecutive completions of the same prompt. Per row i
-in group g, with F reward functions of weights w_f (reward.py gives NaN where a function had no
-opinion):
+    compute_advantages(rewards, weights, G, ...)  the group z-score of each row's reward
+    dynamic_sampling(rounds, max_rounds, ...)     drop no-signal groups, draw more rounds
+
+The N rows of rewards are N/G groups of G consecutive completions of the same
+prompt. There are F reward functions, of weights w_f. reward.py gives NaN where a
+function had no opinion. Per row i in group g:
     r_i = sum_f w_f * R_if                  (NaN entries skipped)
     A_i = (r_i - mean_g(r)) / (std + eps)   (DeepSeekMath, arXiv 2402.03300, sec. 4.1.2)
 where std is
     "group": the std of r within group g (GRPO)
-    "batch": the std of r over the whole batch (Lite PPO, arXiv 2508.08221; huggingface/trl#3938)
-    "none" : no division, std + eps := 1 (Dr. GRPO, arXiv 2503.20783: the division up-weights
-             questions that are too easy or too hard)
+    "batch": the std of r over the whole batch
+             (Lite PPO, arXiv 2508.08221; huggingface/trl#3938)
+    "none" : no division, std + eps := 1 (Dr. GRPO, arXiv 2503.20783: the division
+             up-weights questions that are too easy or too hard)
 Every token of completion i shares A_i (loss.py broadcasts it over the tokens).
 
-DAPO's dynamic sampling (train.py --dynamic-sampling, arXiv 2503.14476) drops the groups whose
-rewards are all equal (zero_spread: advantage 0, no gradient) and draws more rounds of prompts until
-each rank holds its share of --prompts-per-step informative groups (dynamic_sampling's docstring).
+DAPO's dynamic sampling (train.py --dynamic-sampling, arXiv 2503.14476) drops the
+groups whose rewards are all equal. Those have zero spread: advantage 0, no
+gradient. It draws more rounds of prompts until each rank holds its share of
+--prompts-per-step informative groups (see dynamic_sampling's docstring).
 
 Run the tests: python -m pytest -q tests/test_advantage.py tests/test_dynamic_sampling.py
 
 Simplifications:
-1. A row where every function returned None has no reward: it is left out of its group's mean and
-   std and gets advantage 0 (no gradient from it).
-2. A group whose rewards are all equal carries no signal: its advantages are set to exactly 0
-   (r - mean is not exactly 0 in floating point: in fp32 the mean of seven 0.1s is not 0.1).
-3. std is the unbiased one (n - 1), as torch.std and TRL; a group needs G >= 2.
-4. Under data parallelism the caller gathers the whole batch first, so groups and the batch std
-   are complete.
+1. A row where every function returned None has no reward. It is left out of its
+   group's mean and std, and gets advantage 0 (no gradient from it).
+2. A group whose rewards are all equal carries no signal: its advantages are set
+   to exactly 0. r - mean is not exactly 0 in floating point: in fp32 the mean of
+   seven 0.1s is not 0.1.
+3. std is the unbiased one (n - 1), as torch.std and TRL. A group needs G >= 2.
+4. Under data parallelism the caller gathers the whole batch first, so groups and
+   the batch std are complete.
 """
 import dataclasses
 
@@ -36,66 +41,89 @@ import torch
 import torch.distributed as dist
 
 from common import all_ranks_ok, collective_device, ddp, world
-
-SCALE_REWARDS = ("group", "batch", "none")
+from config import SCALE_REWARDS
 
 
 def total_rewards(rewards, weights):
-    """rewards (N, F) with NaN for None, weights (F,) -> r (N,) = sum_f w_f * R_if, NaN where every
-    function said None."""
+    """rewards (N, F) with NaN for None, weights (F,) -> r (N,) = sum_f w_f * R_if.
+
+    r is NaN where every function said None.
+    """
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be (N, F) = (completions, reward functions), "
                          f"got shape {tuple(rewards.shape)}")
+
     weights = torch.as_tensor(weights, dtype=rewards.dtype, device=rewards.device)
     if weights.shape != (rewards.shape[1],):
-        raise ValueError(f"weights must have one entry per reward function ({rewards.shape[1]}), "
-                         f"got shape {tuple(weights.shape)}")
+        raise ValueError(f"weights must have one entry per reward function "
+                         f"({rewards.shape[1]}), got shape {tuple(weights.shape)}")
+
     no_reward = rewards.isnan().all(dim=1)  # (N,)
-    return (rewards * weights).nansum(dim=1).masked_fill(no_reward, float("nan"))  # (N,)
+    total = (rewards * weights).nansum(dim=1)  # (N,)
+    return total.masked_fill(no_reward, float("nan"))  # (N,)
 
 
 def zero_spread(r, G):
-    """r (N,) -> (N/G,) bool: groups whose valid rewards are all equal (or none valid), max <= min
-    compared exactly. They carry no signal (simplification 2); train.py --dynamic-sampling drops
-    them (dynamic_sampling below)."""
+    """r (N,) -> (N/G,) bool: the groups whose valid rewards are all equal.
+
+    A group with no valid reward counts too. max <= min is compared exactly. These
+    groups carry no signal (simplification 2): train.py --dynamic-sampling drops
+    them (dynamic_sampling below).
+    """
     grouped = r.view(-1, G)  # (N/G, G)
     valid = ~grouped.isnan()  # (N/G, G)
+
     highest = grouped.masked_fill(~valid, -torch.inf).amax(1)  # (N/G,)
     lowest = grouped.masked_fill(~valid, torch.inf).amin(1)  # (N/G,)
     return highest <= lowest
 
 
 def compute_advantages(rewards, weights, G, scale_rewards="group", eps=1e-4):
-    """rewards (N, F) with NaN for None, weights (F,) -> (advantages (N,), stats dict of floats)."""
+    """rewards (N, F) with NaN for None, weights (F,) -> (advantages (N,), stats).
+
+    stats is a dict of floats.
+    """
     if scale_rewards not in SCALE_REWARDS:
-        raise ValueError(f"scale_rewards={scale_rewards!r}: choose one of {SCALE_REWARDS}")
+        raise ValueError(f"scale_rewards={scale_rewards!r}: "
+                         f"choose one of {SCALE_REWARDS}")
+
     r = total_rewards(rewards, weights)  # (N,)
     N, F = rewards.shape
     if G < 2 or N % G != 0:
-        raise ValueError(f"{N} rewards do not split into groups of G={G} completions per prompt "
-                         f"(need G >= 2 and N a multiple of G)")
+        raise ValueError(f"{N} rewards do not split into groups of G={G} completions per "
+                         f"prompt (need G >= 2 and N a multiple of G)")
+
+    # 1. Center each group on the mean of its valid rewards
     grouped = r.view(-1, G)  # (N/G, G)
     valid = ~grouped.isnan()  # (N/G, G)
     count = valid.sum(dim=1, keepdim=True)  # (N/G, 1)
     mean = grouped.nansum(dim=1, keepdim=True) / count.clamp(min=1)  # (N/G, 1)
     centered = (grouped - mean).masked_fill(~valid, 0.0)  # (N/G, G)
-    variance = centered.square().sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)  # (N/G, 1)
+
+    # 2. The unbiased std of each group
+    squares = centered.square().sum(dim=1, keepdim=True)  # (N/G, 1)
+    variance = squares / (count - 1).clamp(min=1)  # (N/G, 1)
     group_std = variance.sqrt()  # (N/G, 1)
     no_signal = zero_spread(r, G)  # (N/G,)
 
+    # 3. Scale, and zero the groups with no signal
     if scale_rewards == "group":
         advantages = centered / (group_std + eps)
     elif scale_rewards == "batch":
         r_valid = r[~r.isnan()]  # (n,)
-        batch_std = r_valid.std() if r_valid.numel() > 1 else r.new_zeros(())
+        if r_valid.numel() > 1:
+            batch_std = r_valid.std()
+        else:
+            batch_std = r.new_zeros(())
         advantages = centered / (batch_std + eps)
     else:
         advantages = centered
     advantages = advantages.masked_fill(no_signal.unsqueeze(1), 0.0).view(N)  # (N,)
 
+    # 4. The stats
     has_reward = count.squeeze(1) > 0  # (N/G,)
     reward_mean = r.nanmean().item()
-    # TRL's reward_std: the mean within-group std, i.e. how much learning signal there is
+    # TRL's reward_std: the mean within-group std, how much learning signal there is
     if has_reward.any():
         reward_std = group_std.squeeze(1)[has_reward].mean().item()
     else:
@@ -105,56 +133,78 @@ def compute_advantages(rewards, weights, G, scale_rewards="group", eps=1e-4):
              "frac_zero_std_groups": no_signal.float().mean().item()}
     for f in range(F):
         stats[f"reward/{f}"] = rewards[:, f].nanmean().item()
+
     return advantages, stats
 
 
 def dynamic_sampling(rounds, max_rounds, G, weights, pad_id):
-    """DAPO's dynamic sampling (arXiv 2503.14476, sec. 3.2), called after each round of a step's
-    rollouts: a group whose G weighted total rewards are all equal has advantage 0 and no gradient,
-    so it is dropped, and more rounds of prompts are drawn until this rank holds its quota (its
-    share of --prompts-per-step) of the others. rounds: this rank's rounds so far, [(rows, Rollout,
-    rewards (quota*G, F))]; max_rounds: the bound (0: off). -> None when another round is due (on
-    every rank alike), else ((rows, Rollout, rewards) of quota groups, the step's metrics: rounds
-    drawn, groups generated and informative groups kept, over all ranks; {} when off).
-    1. Each rank fills its own quota from its own rounds: the G completions of a prompt never leave
-       their rank, and every rank ends with quota groups (static shapes: the rewards all-gather and
-       DDP stay matched).
-    2. A round is drawn on every rank while any rank is short (a MIN all-reduce), so a rank that is
-       full still samples a round, and wastes it: the engines' call numbers and the prompt stream
-       stay in step on every rank.
-    3. At the bound a rank still short tops up with zero-spread groups of its last round (they add
-       no gradient): the step trains on what there is, and ds_groups_informative <
-       --prompts-per-step says so.
-    4. Informative groups beyond the quota are dropped, not kept for the next step, where they would
-       be off-policy and a checkpoint would have to hold them."""
+    """DAPO's dynamic sampling (arXiv 2503.14476, sec. 3.2).
+
+    It is called after each round of a step's rollouts. A group whose G weighted
+    total rewards are all equal has advantage 0 and no gradient, so it is dropped.
+    More rounds of prompts are drawn until this rank holds its quota of the other
+    groups. The quota is this rank's share of --prompts-per-step.
+
+    rounds: this rank's rounds so far, [(rows, Rollout, rewards (quota*G, F))].
+    max_rounds: the bound (0: off).
+    Returns None when another round is due, on every rank alike. Otherwise it
+    returns ((rows, Rollout, rewards) of quota groups, the step's metrics). The
+    metrics are the rounds drawn, the groups generated and the informative groups
+    kept, over all ranks; {} when off.
+
+    1. Each rank fills its own quota from its own rounds. The G completions of a
+       prompt never leave their rank, and every rank ends with quota groups. The
+       shapes stay static: the rewards all-gather and DDP stay matched.
+    2. A round is drawn on every rank while any rank is short (a MIN all-reduce).
+       So a rank that is full still samples a round, and wastes it: the engines'
+       call numbers and the prompt stream stay in step on every rank.
+    3. At the bound, a rank still short tops up with zero-spread groups of its last
+       round. They add no gradient: the step trains on what there is, and
+       ds_groups_informative < --prompts-per-step says so.
+    4. Informative groups beyond the quota are dropped, not kept for the next step.
+       There they would be off-policy, and a checkpoint would have to hold them.
+    """
     if max_rounds == 0:
         return rounds[0], {}
+
     quota = len(rounds[0][0]) // G
     # per round, (quota,) bool: its groups with zero spread
     no_signal = [zero_spread(total_rewards(part[2], weights), G) for part in rounds]
     # (round, group index) of every informative group, in the order drawn
-    informative = [(part, g)
-                   for part, flat in zip(rounds, no_signal)
-                   for g in (~flat).nonzero().flatten().tolist()]
+    informative = []
+    for part, flat in zip(rounds, no_signal):
+        for g in (~flat).nonzero().flatten().tolist():
+            informative.append((part, g))
+
     if len(rounds) < max_rounds and not all_ranks_ok(len(informative) >= quota):
         return None
+
     # point 3: what a rank still short at the bound tops up with
     top_up = [(rounds[-1], g) for g in no_signal[-1].nonzero().flatten().tolist()]
-    device = collective_device() if ddp else "cpu"
+
+    if ddp:
+        device = collective_device()
+    else:
+        device = "cpu"
     kept = torch.tensor([min(len(informative), quota)], device=device)
     if ddp:
         dist.all_reduce(kept)
+
     batch = take_groups((informative + top_up)[:quota], G, pad_id)
-    metrics = dict(ds_rounds=len(rounds), ds_groups_generated=len(rounds) * quota * world,
+    metrics = dict(ds_rounds=len(rounds),
+                   ds_groups_generated=len(rounds) * quota * world,
                    ds_groups_informative=int(kept))
     return batch, metrics
 
 
 def take_groups(picks, G, pad_id):
-    """[((rows, Rollout, rewards), group index)] -> (rows, Rollout, rewards) of those groups, in
-    that order. Rounds differ in their longest completion: (N, T) tensors are right-padded to the
-    longest (pad id, mask 0)."""
+    """[((rows, Rollout, rewards), group index)] -> (rows, Rollout, rewards).
+
+    The result holds those groups, in that order. Rounds differ in their longest
+    completion: the (N, T) tensors are right-padded to the longest (pad id, mask 0).
+    """
     T = max(part[1].completion_ids.shape[1] for part, _ in picks)
+
     rows = []
     rewards = []
     fields = {}
@@ -162,6 +212,7 @@ def take_groups(picks, G, pad_id):
         s = slice(g * G, (g + 1) * G)  # the group's G completions
         rows += part_rows[s]
         rewards.append(part_rewards[s])  # (G, F)
+
         for f in dataclasses.fields(rollout):
             x = getattr(rollout, f.name)[s]
             # a (G, T of its round) tensor -> (G, T)
@@ -169,10 +220,12 @@ def take_groups(picks, G, pad_id):
                 pad = pad_id if f.name == "completion_ids" else 0
                 x = torch.nn.functional.pad(x, (0, T - x.shape[1]), value=pad)  # (G, T)
             fields.setdefault(f.name, []).append(x)
+
     joined = {}
     for name, parts in fields.items():
         if isinstance(parts[0], torch.Tensor):
             joined[name] = torch.cat(parts)
         else:
             joined[name] = sum(parts, [])
+
     return rows, type(rollout)(**joined), torch.cat(rewards)  # (N,), Rollout of N, (N, F)

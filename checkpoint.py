@@ -1,30 +1,44 @@
-"""Checkpoints: everything a bit-exact resume needs, written so that a crash never passes for one.
+"""Checkpoints: everything a bit-exact resume needs.
+
+They are written so that a crash never passes for one.
 
     out/checkpoints/step_NNNNNN/
-        model/          save_pretrained's safetensors + tokenizer (transformers and vLLM load it);
-                        with LoRA the merged weights, and model/adapter/ (what a resume loads)
-        trainer.pt      optimizer state, step, optimizer step, prompts consumed, run configuration
-        rng_rank{R}.pt  rank R's RNG states (python, numpy, torch, cuda), engine state, and with
-                        --async its next batch, already sampled (a resumed run trains on it too)
+        model/          save_pretrained's safetensors + tokenizer (transformers and
+                        vLLM load it); with LoRA the merged weights, and
+                        model/adapter/ (what a resume loads)
+        trainer.pt      optimizer state, step, optimizer step, prompts consumed,
+                        run configuration
+        rng_rank{R}.pt  rank R's RNG states (python, numpy, torch, cuda), engine
+                        state, and with --async its next batch, already sampled
+                        (a resumed run trains on it too)
         complete.json   written last: the size of every file above
 
-An out-dir holds one run: run.json (its configuration, written at its start), metrics.jsonl,
-checkpoints/, the final model/, and run.lock, which rank 0 holds (flock) while the run lives.
-Nothing in it is overwritten by another run: a second run on a live one is refused, --resume no
-on a folder that holds a run is refused, and so is a configuration that differs from its own.
-check_out_dir locks it; resume_point finds where a run starts (find, load), save writes a
-checkpoint, restore loads one into the live run, and open_metrics cuts metrics.jsonl back to it.
+An out-dir holds one run: run.json (its configuration, written at its start),
+metrics.jsonl, checkpoints/, the final model/, and run.lock, which rank 0 holds
+(flock) while the run lives.
+
+Nothing in it is overwritten by another run. A second run on a live one is
+refused. --resume no on a folder that holds a run is refused, and so is a
+configuration that differs from its own.
+
+check_out_dir locks it. resume_point finds where a run starts (find, load). save
+writes a checkpoint, restore loads one into the live run, and open_metrics cuts
+metrics.jsonl back to it.
 
 Run the tests: python -m pytest -q tests/test_checkpoint.py tests/test_resume.py
 
 Simplifications:
-1. Every rank writes its own RNG file into a shared folder (one node, or a shared file system).
-2. Model and optimizer are gathered to full tensors on rank 0 (FSDP2 too): simple, and a
-   checkpoint loads on any number of ranks; the cost is rank 0's host memory for one full copy.
-3. The data order is a pure function of (seed, prompts consumed) (data.batch_indices): the count
-   is all it needs (step * prompts per step, unless --dynamic-sampling drew extra rounds).
-4. Completeness is file sizes (complete.json), not checksums: a crash mid-write, a file missing
-   or cut short, not a bit flipped in place. The lock is flock(2): local disks, NFS's lock manager.
+1. Every rank writes its own RNG file into a shared folder (one node, or a
+   shared file system).
+2. Model and optimizer are gathered to full tensors on rank 0 (FSDP2 too). It
+   is simple, and a checkpoint loads on any number of ranks. The cost is rank
+   0's host memory for one full copy.
+3. The data order is a pure function of (seed, prompts consumed)
+   (data.batch_indices): the count is all it needs. That is step * prompts per
+   step, unless --dynamic-sampling drew extra rounds.
+4. Completeness is file sizes (complete.json), not checksums. It catches a crash
+   mid-write or a file missing or cut short, not a bit flipped in place. The
+   lock is flock(2): local disks, NFS's lock manager.
 """
 import fcntl
 import glob
@@ -36,29 +50,41 @@ import socket
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 from common import all_ranks_ok, barrier, master, rank
 from lora import is_lora, load_adapter, merged_state_dict
 
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors (FSDP: gathered)
+# full tensors (FSDP: gathered)
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 MARKER = "complete.json"
 _held = []  # the open lock file: the lock lasts as long as this process
 
 
 def run_config(args, world):
-    """The arguments a resumed run must share with its checkpoint (not speed or logging ones)."""
-    skip = ("steps", "eval_every", "eval_size", "save_every", "keep_last", "resume", "out_dir",
-            "wandb", "threads", "engine", "vllm_memory", "vllm_url", "loss_impl",
-            "micro_batch_size", "reward_timeout", "eval_reward", "eval_samples", "eval_k")
-    return {k: v for k, v in vars(args).items() if k not in skip} | dict(world_size=world)
+    """The arguments a resumed run must share with its checkpoint.
+
+    Not the speed or logging ones.
+    """
+    skip = ("steps", "eval_every", "eval_size", "save_every", "keep_last", "resume",
+            "out_dir", "wandb", "threads", "engine", "vllm_memory", "vllm_url",
+            "loss_impl", "micro_batch_size", "reward_timeout", "eval_reward",
+            "eval_samples", "eval_k")
+    shared = {k: v for k, v in vars(args).items() if k not in skip}
+    return shared | dict(world_size=world)
 
 
 def check_out_dir(out_dir):
-    """Create out_dir, check that every rank can write there (before hours of rollouts go into
-    it) and lock it for this run. A collective (once the process group exists): one verdict."""
+    """Create out_dir, check that every rank can write there, and lock it for this run.
+
+    The check comes before hours of rollouts go into it. A collective (once the
+    process group exists): one verdict.
+    """
     error = None
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -67,17 +93,23 @@ def check_out_dir(out_dir):
         open(probe, "w").close()
         os.remove(probe)
     except OSError as e:
-        error = f"--out-dir {out_dir!r} is not writable ({e.strerror}): choose another --out-dir"
+        error = (f"--out-dir {out_dir!r} is not writable ({e.strerror}): "
+                 f"choose another --out-dir")
+
     if error is None and master:
         error = lock(out_dir)
+
     if not all_ranks_ok(error is None):
-        raise ValueError(error or f"another rank cannot write to or lock --out-dir {out_dir!r} "
-                                  f"(see its message)")
+        raise ValueError(error or f"another rank cannot write to or lock "
+                                  f"--out-dir {out_dir!r} (see its message)")
 
 
 def lock(out_dir):
-    """Take out_dir/run.lock (flock, exclusive) for this process's life -> None, or why not (held
-    by whom). The kernel drops it when the process ends (kill -9 too): a dead run blocks nothing."""
+    """Take out_dir/run.lock (flock, exclusive) for this process's life.
+
+    -> None, or why not (held by whom). The kernel drops it when the process ends,
+    kill -9 too: a dead run blocks nothing.
+    """
     f = open(os.path.join(out_dir, "run.lock"), "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -85,8 +117,9 @@ def lock(out_dir):
         f.seek(0)
         holder = f.read().strip() or "a process that has not said which"
         f.close()
-        return (f"--out-dir {out_dir!r} is in use by another run ({holder}): wait for it to end, "
-                f"stop it, or use another --out-dir")
+        return (f"--out-dir {out_dir!r} is in use by another run ({holder}): "
+                f"wait for it to end, stop it, or use another --out-dir")
+
     f.truncate(0)
     f.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
     f.flush()
@@ -96,57 +129,91 @@ def lock(out_dir):
 
 def _records(path):
     """The lines of metrics.jsonl (0 when there is none)."""
-    return sum(1 for _ in open(path)) if os.path.exists(path) else 0
+    if not os.path.exists(path):
+        return 0
+    return sum(1 for _ in open(path))
+
+
+def _what_it_holds(out_dir, path, incomplete, records):
+    """What an out-dir holds of a run, in words: checkpoints, records, a final model/."""
+    steps = [int(p.rsplit("_", 1)[1]) for p in ([path] if path else []) + incomplete]
+    held = []
+    if steps:
+        held.append(f"checkpoints up to step {max(steps)}")
+    if records:
+        held.append(f"metrics.jsonl with {records} records")
+    if os.path.isdir(os.path.join(out_dir, "model")):
+        held.append("a final model/")
+    return held
 
 
 def resume_point(out_dir, resume, run_config, log=print):
-    """--resume auto|yes|no -> (checkpoint folder or None, its trainer state or None): the latest
-    complete checkpoint (incomplete ones skipped, with a warning), else step 0, and rank 0 writes
-    run.json. ValueError rather than overwrite or mix another run: --resume no on an out-dir that
-    holds a run, --resume yes without a checkpoint, and a checkpoint or run.json of another
-    configuration (or records that no run.json vouches for)."""
+    """--resume auto|yes|no -> (checkpoint folder or None, its trainer state or None).
+
+    The latest complete checkpoint (incomplete ones skipped, with a warning), else
+    step 0, and rank 0 writes run.json. ValueError rather than overwrite or mix
+    another run: --resume no on an out-dir that holds a run, --resume yes without
+    a checkpoint, and a checkpoint or run.json of another configuration (or
+    records that no run.json vouches for).
+    """
     root = os.path.join(out_dir, "checkpoints")
     metrics = os.path.join(out_dir, "metrics.jsonl")
     info = os.path.join(out_dir, "run.json")
     path, incomplete = find(root)
     records = _records(metrics)
+
     if resume == "no":
-        steps = [int(p.rsplit("_", 1)[1]) for p in ([path] if path else []) + incomplete]
-        held = [f"checkpoints up to step {max(steps)}"] if steps else []
-        held += [f"metrics.jsonl with {records} records"] if records else []
-        held += ["a final model/"] if os.path.isdir(os.path.join(out_dir, "model")) else []
+        held = _what_it_holds(out_dir, path, incomplete, records)
         if held:
-            raise ValueError(f"--resume no: {out_dir!r} holds a run ({', '.join(held)}): use "
-                             f"another --out-dir or delete it (--resume auto continues it)")
+            raise ValueError(f"--resume no: {out_dir!r} holds a run "
+                             f"({', '.join(held)}): use another --out-dir or delete it "
+                             f"(--resume auto continues it)")
+
     for p in incomplete:
-        log(f"warning: {p} is incomplete (a crash while writing it, or a file missing or cut "
-            f"short): skipped")
+        log(f"warning: {p} is incomplete (a crash while writing it, "
+            f"or a file missing or cut short): skipped")
     if path:
         return path, load(path, run_config)
     if resume == "yes":
-        raise ValueError(f"--resume yes: no checkpoint under {root} (incomplete ones do not count)")
-    if records:  # stopped before its first checkpoint: redone from step 0, if it is this run
-        try:
-            saved = json.load(open(info))
-        except (OSError, ValueError):  # none, or cut short
-            saved = None
-        diff = ({k: (saved.get(k), v) for k, v in run_config.items() if saved.get(k) != v}
-                if saved else None)
-        if saved is None or diff:
-            why = "no run.json says which run wrote them: use "
-            if diff:
-                why = (f"it was written by a different run configuration {diff} (saved, now): "
-                       f"use the same arguments, ")
-            raise ValueError(f"{metrics} holds {records} records but there is no checkpoint to "
-                             f"resume from, and {why}another --out-dir, or delete it")
-        log(f"warning: no complete checkpoint under {root} (the run stopped before its first "
-            f"--save-every): starting again from step 0 (the {records} records in {metrics} are "
-            f"dropped: their steps are redone)")
+        raise ValueError(f"--resume yes: no checkpoint under {root} "
+                         f"(incomplete ones do not count)")
+
+    # stopped before its first checkpoint: redone from step 0, if it is this run
+    if records:
+        _check_same_run(info, metrics, records, run_config)
+        log(f"warning: no complete checkpoint under {root} "
+            f"(the run stopped before its first --save-every): "
+            f"starting again from step 0 (the {records} records in {metrics} "
+            f"are dropped: their steps are redone)")
+
     if master:
         with open(info + ".tmp", "w") as f:
             json.dump(run_config, f, indent=1, default=str)
         os.replace(info + ".tmp", info)
     return None, None
+
+
+def _check_same_run(info, metrics, records, run_config):
+    """ValueError unless run.json (info) vouches for the records.
+
+    It must hold the same configuration.
+    """
+    try:
+        saved = json.load(open(info))
+    # none, or cut short
+    except (OSError, ValueError):
+        saved = None
+
+    diff = None
+    if saved:
+        diff = {k: (saved.get(k), v) for k, v in run_config.items() if saved.get(k) != v}
+    if saved is None or diff:
+        why = "no run.json says which run wrote them: use "
+        if diff:
+            why = (f"it was written by a different run configuration {diff} "
+                   f"(saved, now): use the same arguments, ")
+        raise ValueError(f"{metrics} holds {records} records but there is no checkpoint "
+                         f"to resume from, and {why}another --out-dir, or delete it")
 
 
 def _files(path):
@@ -165,8 +232,10 @@ def is_complete(path):
 
 
 def find(root):
-    """-> (the latest complete step_N folder or None, the later incomplete ones that were
-    skipped). A step_N.tmp folder is an interrupted write: the pattern leaves it out."""
+    """-> (the latest complete step_N folder or None, the later incomplete ones skipped).
+
+    A step_N.tmp folder is an interrupted write: the pattern leaves it out.
+    """
     skipped = []
     for path in sorted(glob.glob(os.path.join(root, "step_*[0-9]")), reverse=True):
         if is_complete(path):
@@ -178,24 +247,32 @@ def find(root):
 def load(path, run_config):
     try:
         saved = torch.load(os.path.join(path, "trainer.pt"), weights_only=False)
-    except Exception as e:  # the right size but not a checkpoint: a file overwritten in place
-        raise ValueError(f"{path}/trainer.pt is unreadable ({type(e).__name__}): delete {path} "
-                         f"to resume from the checkpoint before it") from None
+    # the right size but not a checkpoint: a file overwritten in place
+    except Exception as e:
+        raise ValueError(f"{path}/trainer.pt is unreadable ({type(e).__name__}): "
+                         f"delete {path} to resume from the checkpoint "
+                         f"before it") from None
+
     diff = {k: (saved["config"].get(k), v) for k, v in run_config.items()
             if saved["config"].get(k) != v}
     if diff:
-        raise ValueError(f"{path} was written by a different run configuration {diff} (saved, "
-                         f"now): use the same arguments, or another --out-dir")
+        raise ValueError(f"{path} was written by a different run configuration {diff} "
+                         f"(saved, now): use the same arguments, or another --out-dir")
     return saved
 
 
 def save_model(model, path, state_dict, tokenizer):
-    """A save_pretrained folder (safetensors: transformers and vLLM load it). A LoRA policy is
-    saved merged, as the engine samples from it, under plain names; its adapter in path/adapter."""
+    """A save_pretrained folder (safetensors: transformers and vLLM load it).
+
+    A LoRA policy is saved merged, as the engine samples from it, under plain
+    names, with its adapter in path/adapter.
+    """
     if is_lora(model):
-        model.save_pretrained(os.path.join(path, "adapter"))  # adapter_model.safetensors + config
+        # adapter_model.safetensors + its config
+        model.save_pretrained(os.path.join(path, "adapter"))
         state_dict = merged_state_dict(model, state_dict)
         model = model.get_base_model()
+
     model.save_pretrained(path, state_dict=state_dict)
     tokenizer.save_pretrained(path)
 
@@ -208,59 +285,85 @@ def _fsync(path):
         os.close(fd)
 
 
-def save(root, step, model, optimizer, engine, tokenizer, trainer_state, keep_last, device,
-         pending=None):
-    """A collective: every rank writes its RNG file (and pending: this rank's next batch, with
-    --async), FSDP2 gathers the shards, rank 0 writes the rest."""
+def save(root, step, model, optimizer, engine, tokenizer, trainer_state, keep_last,
+         device, pending=None):
+    """Write checkpoint step_N under root. A collective.
+
+    Every rank writes its RNG file (and pending: this rank's next batch, with
+    --async), FSDP2 gathers the shards, and rank 0 writes the rest.
+    """
     path = os.path.join(root, f"step_{step:06d}")
     tmp = path + ".tmp"
     if master:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     barrier()
+
     # the engines sample from a stream seeded by (seed, call): its state resumes it
-    rng = dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),
-               cuda=torch.cuda.get_rng_state() if device.type == "cuda" else None,
-               engine=engine.state_dict(), pending=pending)
+    cuda = None
+    if device.type == "cuda":
+        cuda = torch.cuda.get_rng_state()
+    rng = dict(python=random.getstate(), numpy=np.random.get_state(),
+               torch=torch.get_rng_state(), cuda=cuda, engine=engine.state_dict(),
+               pending=pending)
     torch.save(rng, os.path.join(tmp, f"rng_rank{rank}.pt"))
-    model_state = get_model_state_dict(model, options=FULL)  # every rank: FSDP gathers shards
+
+    # every rank: FSDP gathers the shards
+    model_state = get_model_state_dict(model, options=FULL)
     optimizer_state = get_optimizer_state_dict(model, optimizer, options=FULL)
     if master:
         save_model(model, os.path.join(tmp, "model"), model_state, tokenizer)
         trainer = dict(optimizer=optimizer_state, **trainer_state)
         torch.save(trainer, os.path.join(tmp, "trainer.pt"))
     barrier()
-    # fsync before the marker, the marker before the rename: a power cut leaves no half checkpoint
+
     if master:
-        files = _files(tmp)
-        for f in files:
-            _fsync(os.path.join(tmp, f))
-        with open(os.path.join(tmp, MARKER), "w") as f:
-            json.dump({f: os.path.getsize(os.path.join(tmp, f)) for f in files}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        # an incomplete one the resume skipped (a complete one would have been resumed)
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-        _fsync(root)
-        # keep the last K complete ones, and later incomplete ones (replaced when their step comes)
-        steps = sorted(glob.glob(os.path.join(root, "step_*[0-9]")))
-        done = [p for p in steps if p <= path and is_complete(p)]
-        for old in glob.glob(os.path.join(root, "step_*[0-9]")):
-            if old < done[-keep_last:][0]:
-                shutil.rmtree(old)
+        _commit(root, path, tmp, keep_last)
+
+
+def _commit(root, path, tmp, keep_last):
+    """Rank 0: make the written tmp folder the checkpoint at path, then keep the last K.
+
+    fsync before the marker, the marker before the rename: a power cut leaves no
+    half checkpoint.
+    """
+    files = _files(tmp)
+    for f in files:
+        _fsync(os.path.join(tmp, f))
+    with open(os.path.join(tmp, MARKER), "w") as f:
+        json.dump({f: os.path.getsize(os.path.join(tmp, f)) for f in files}, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+    # an incomplete one the resume skipped (a complete one would have been resumed)
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    _fsync(root)
+
+    # keep the last K complete ones, and later incomplete ones (replaced when their
+    # step comes)
+    steps = sorted(glob.glob(os.path.join(root, "step_*[0-9]")))
+    done = [p for p in steps if p <= path and is_complete(p)]
+    for old in glob.glob(os.path.join(root, "step_*[0-9]")):
+        if old < done[-keep_last:][0]:
+            shutil.rmtree(old)
 
 
 def restore(path, saved, model, optimizer, engine, device):
-    """Load the LoRA adapter (if any), the optimizer, this rank's RNG and engine states -> (step,
-    optimizer step, prompts consumed, save()'s pending batch or None). Call it after the engine is
-    built: vLLM's start-up reseeds the global RNGs."""
-    # the policy was built from the initial model: the checkpoint's adapter is the trained part
+    """Load the LoRA adapter (if any), the optimizer, this rank's RNG and engine states.
+
+    -> (step, optimizer step, prompts consumed, save()'s pending batch or None).
+    Call it after the engine is built: vLLM's start-up reseeds the global RNGs.
+    """
+    # the policy was built from the initial model: the checkpoint's adapter is the
+    # trained part
     if is_lora(model):
         load_adapter(model, os.path.join(path, "model", "adapter"))
+
     options = StateDictOptions(full_state_dict=True)
     set_optimizer_state_dict(model, optimizer, saved["optimizer"], options=options)
+
     rng = torch.load(os.path.join(path, f"rng_rank{rank}.pt"), weights_only=False)
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
@@ -268,19 +371,24 @@ def restore(path, saved, model, optimizer, engine, device):
     engine.load_state_dict(rng["engine"])
     if device.type == "cuda":
         torch.cuda.set_rng_state(rng["cuda"])
+
     return saved["step"], saved["opt_step"], saved["prompts_consumed"], rng.get("pending")
 
 
 def open_metrics(path, keep_until, log=print):
-    """Rank 0: metrics.jsonl open for appending, with only the records up to step keep_until
-    (None: none). Later records (redone) and torn lines (a crash mid-write) are dropped, saying
-    so; the cut file replaces the old one in one rename, so a crash now loses nothing."""
+    """Rank 0: metrics.jsonl open for appending, cut back to step keep_until.
+
+    It keeps only the records up to that step (keep_until None: none). Later
+    records (redone) and torn lines (a crash mid-write) are dropped, saying so.
+    The cut file replaces the old one in one rename, so a crash now loses nothing.
+    """
     kept = []
     dropped = 0
     torn = 0
     if keep_until is not None and not os.path.exists(path):
-        log(f"warning: {path} is missing: the records up to step {keep_until} are lost, the run "
-            f"goes on without them")
+        log(f"warning: {path} is missing: the records up to step {keep_until} are lost, "
+            f"the run goes on without them")
+
     if keep_until is not None and os.path.exists(path):
         for line in open(path):
             try:
@@ -290,10 +398,12 @@ def open_metrics(path, keep_until, log=print):
                     dropped += 1
             except (ValueError, KeyError, TypeError):
                 torn += 1  # its step is redone
+
     if dropped or torn:
         torn_lines = f" and {torn} torn line(s)" if torn else ""
-        log(f"{path}: kept the {len(kept)} records up to step {keep_until}; dropped {dropped} "
-            f"later record(s){torn_lines} (their steps are redone)")
+        log(f"{path}: kept the {len(kept)} records up to step {keep_until}; "
+            f"dropped {dropped} later record(s){torn_lines} (their steps are redone)")
+
     with open(path + ".tmp", "w") as f:
         f.writelines(kept)
     os.replace(path + ".tmp", path)

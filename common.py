@@ -1,16 +1,17 @@
 """
-The few things every file needs and that are not a stage. Imports nothing from the project.
+The few things every file needs and that are not a stage.
+It imports nothing from the project.
 
-    rank, world, master, ddp   from torchrun's RANK and WORLD_SIZE; 0, 1, True, False alone
+    rank, world, master, ddp   torchrun's RANK and WORLD_SIZE (alone: 0, 1, True, False)
     print0(...)                print on rank 0 only
-    fail(msg)                  "error: msg" and exit 2, on every rank (none is left in a collective)
-    all_ranks_ok(ok), barrier  one verdict for all ranks; a barrier that is a no-op on 1 process
-    setup(threads, dtype)      process group, device, threads; stop if torchrun's launcher dies
+    fail(msg)                  "error: msg", exit 2 on all ranks (none left waiting)
+    all_ranks_ok(ok), barrier  one verdict for all ranks; a barrier (no-op on 1 process)
+    setup(threads, dtype)      process group, device, threads; stop when the launcher dies
     in_background(fn, *args)   fn(*args) on a daemon thread -> a Future (train.py --async)
     result_everywhere(future)  its result, or on every rank the exception it raised on any
     mark(phase), startup_line  how long each start-up phase took
     step_line(record)          the one line printed per step
-    private_rng(seed), unwrap  a seeded stretch of the global RNGs; the module under a DDP wrapper
+    private_rng(seed), unwrap  a seeded stretch of the global RNGs; the module under DDP
 """
 import importlib
 import logging
@@ -34,9 +35,14 @@ ddp = world > 1
 
 
 def cause(e):
-    """An exception in a few words: its type and first line, and those of its cause (datasets wraps
-    pyarrow's errors, transformers wraps the hub's)."""
-    text = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+    """An exception in a few words: its type and first line, and those of its cause.
+
+    datasets wraps pyarrow's errors, and transformers wraps the hub's.
+    """
+    lines = str(e).strip().splitlines()
+    first = lines[0] if lines else ""
+    text = f"{type(e).__name__}: {first}"
+
     if e.__cause__ is not None:
         text += f" <- {cause(e.__cause__)}"
     return text
@@ -48,13 +54,16 @@ def print0(*a, **kw):
 
 
 def fail(msg, everywhere=True):
-    """Exit non-zero with one line that says what to change (printed once, or by the rank that
-    hit it)."""
+    """Exit non-zero with one line that says what to change.
+
+    The line is printed once, or by the rank that hit it.
+    """
     if master or not everywhere:
         where = "" if everywhere else f" (rank {rank})"
         print(f"error{where}: {msg}", flush=True)
-    # Every rank is here: none exits before the master's line is out (torchrun stops the other
-    # ranks as soon as one exits).
+
+    # Every rank is here: none exits before the master's line is out. torchrun
+    # stops the other ranks as soon as one exits.
     if everywhere and dist.is_initialized():
         dist.barrier()
     raise SystemExit(2)
@@ -69,26 +78,38 @@ def mark(phase):
 
 
 def startup_line(t_launch):
-    """The line "start-up 21.3 s: imports, data 6.1 s, models 0.4 s, engine 9.8 s, first
-    evaluation 5.0 s" (rank 0's)."""
+    """Rank 0's line on how long the start-up took.
+
+    For example "start-up 21.3 s: imports, data 6.1 s, models 0.4 s, engine 9.8 s,
+    first evaluation 5.0 s".
+    """
     t = t_launch
     parts = []
     for phase, end in _marks:
         parts.append(f"{phase} {end - t:.1f} s")
         t = end
+
     return f"start-up {t - t_launch:.1f} s: " + ", ".join(parts)
 
 
 def collective_device():
-    """Where a tensor must live for a collective: the current GPU under NCCL, the CPU under gloo."""
-    return f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+    """Where a tensor must live for a collective.
+
+    That is the current GPU under NCCL, the CPU under gloo.
+    """
+    if dist.get_backend() == "nccl":
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
 
 
 def all_ranks_ok(ok):
-    """True iff every rank is ok: a rank that hit an error must not leave the others waiting in a
-    collective."""
+    """True iff every rank is ok.
+
+    A rank that hit an error must not leave the others waiting in a collective.
+    """
     if not ddp:
         return ok
+
     flag = torch.tensor([int(ok)], device=collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
@@ -114,20 +135,27 @@ def seed_all(seed):
 
 
 def setup(threads, dtype_name):
-    """Process group (nccl on GPUs, gloo on CPU), device, torch threads -> (device, compute dtype).
-    Also silences save_pretrained's per-shard progress bars, which would break the step bar
-    (datasets': task.py), and makes a rollout server gone (server.py's ConnectionError, from any
-    thread) end this rank with its one line."""
+    """Process group, device and torch threads -> (device, compute dtype).
+
+    The process group is nccl on GPUs, gloo on CPU. setup also silences
+    save_pretrained's per-shard progress bars, which would break the step bar
+    (datasets' bars: task.py). And it makes a rollout server that is gone end this
+    rank with its one line: server.py's ConnectionError, from any thread.
+    """
     from transformers.utils.logging import disable_progress_bar
 
     disable_progress_bar()
-    # vLLM's noise that asks nothing of the user: a Triton notice it logs before configuring its
-    # own logger (Python's last-resort handler prints it), and a deprecation warning from its own
-    # import (vLLM 0.32).
+
+    # vLLM's noise that asks nothing of the user. One is a Triton notice it logs
+    # before configuring its own logger (Python's last-resort handler prints it).
+    # The other is a deprecation warning from its own import (vLLM 0.32).
     logging.getLogger("vllm").addHandler(logging.NullHandler())
-    warnings.filterwarnings("ignore", r"`torch.distributed.reduce_op` is deprecated", FutureWarning)
+    warnings.filterwarnings("ignore", r"`torch.distributed.reduce_op` is deprecated",
+                            FutureWarning)
+
     watch_launcher()
     one_line_errors(ConnectionError)
+
     if torch.cuda.is_available():
         device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
     else:
@@ -137,38 +165,48 @@ def setup(threads, dtype_name):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.set_num_threads(threads)
+
     auto = torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtype = {"auto": auto, "float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
-    return device, dtype
+    dtypes = {"auto": auto, "float32": torch.float32, "bfloat16": torch.bfloat16}
+    return device, dtypes[dtype_name]
 
 
 def watch_launcher(poll_s=1.0):
-    """Under torchrun (or another launcher that sets LOCAL_RANK), end this worker when its launcher
-    dies: kill -9 of the agent leaves the workers training on, unseen, into an out-dir a relaunch
-    then finds locked. A daemon thread compares os.getppid() with its value at start; the exit is
-    abrupt (os._exit), which loses at most the step in flight: checkpoints are atomic and a torn
-    metrics line is dropped on resume."""
+    """End this worker when its launcher dies.
+
+    This holds under torchrun, or another launcher that sets LOCAL_RANK. A kill -9
+    of the agent leaves the workers training on, unseen, into an out-dir that a
+    relaunch then finds locked. A daemon thread compares os.getppid() with its
+    value at start. The exit is abrupt (os._exit), which loses at most the step in
+    flight: checkpoints are atomic, and a torn metrics line is dropped on resume.
+    """
     if "TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_RANK" not in os.environ:
         return
+
     launcher = os.getppid()
 
     def watch():
         while os.getppid() == launcher:
             time.sleep(poll_s)
+
         try:
             print(f"error (rank {rank}): the launcher (pid {launcher}) is gone: "
                   "stopping this worker", flush=True)
         finally:
             os._exit(3)
+
     threading.Thread(target=watch, name="watch_launcher", daemon=True).start()
 
 
 def one_line_errors(*kinds):
-    """An uncaught exception of exactly these classes ends this rank with "error (rank R): its
-    message" and exit status 1, not a traceback: server.RemoteEngine's ConnectionError already says
-    what is gone and what to do, and it can come from many calls (a generate, a sync, the --async
-    batch's Future) that each rank makes on its own. Subclasses keep their traceback (a raw
-    socket's ConnectionRefusedError from elsewhere says less)."""
+    """An uncaught exception of exactly these classes ends this rank in one line.
+
+    The line is "error (rank R): its message", and the exit status 1, not a
+    traceback. server.RemoteEngine's ConnectionError already says what is gone and
+    what to do. It can come from many calls that each rank makes on its own: a
+    generate, a sync, the --async batch's Future. Subclasses keep their traceback:
+    a raw socket's ConnectionRefusedError from elsewhere says less.
+    """
     default = sys.excepthook
 
     def hook(kind, error, traceback):
@@ -176,14 +214,18 @@ def one_line_errors(*kinds):
             print(f"error (rank {rank}): {error}", flush=True)
         else:
             default(kind, error, traceback)
+
     sys.excepthook = hook
 
 
 def in_background(fn, *args):
-    """fn(*args) on a daemon thread -> a Future holding its result, or its exception (raised again
-    by .result() in the caller's thread). A daemon, not a ThreadPoolExecutor's worker: those are
-    joined at exit, so a run that stops for another reason would wait for the call in flight (up to
-    the rollout server's timeout)."""
+    """fn(*args) on a daemon thread -> a Future holding its result, or its exception.
+
+    .result() raises the exception again in the caller's thread. It is a daemon,
+    not a ThreadPoolExecutor's worker. Those are joined at exit, so a run that
+    stops for another reason would wait for the call in flight (up to the rollout
+    server's timeout).
+    """
     future = Future()
 
     def run():
@@ -191,26 +233,33 @@ def in_background(fn, *args):
             future.set_result(fn(*args))
         except BaseException as e:
             future.set_exception(e)
+
     name = f"in_background({getattr(fn, '__name__', fn)})"
     threading.Thread(target=run, name=name, daemon=True).start()
     return future
 
 
 def result_everywhere(future):
-    """future.result(), with one verdict for all ranks: if it raised on any rank, every rank raises
-    that exception (the first rank's), so that none is left waiting in the next collective and each
-    says why. For a call each rank makes on its own (--async: each rank's request to the server)."""
+    """future.result(), with one verdict for all ranks.
+
+    If it raised on any rank, every rank raises that exception (the first rank's).
+    So none is left waiting in the next collective, and each says why. This is for
+    a call each rank makes on its own (--async: each rank's request to the server).
+    """
     result = None
     error = None
     try:
         result = future.result()
     except Exception as e:
         error = e
+
     if all_ranks_ok(error is None):
         return result
+
     # one process: no group to gather over
     if not ddp:
         raise error
+
     errors = [None] * world
     dist.all_gather_object(errors, error)
     raise next(e for e in errors if e is not None)
@@ -223,15 +272,19 @@ def unwrap(model):
 
 @contextmanager
 def private_rng(seed):
-    """Run the body on the global RNGs (torch CPU and CUDA device, random, numpy) seeded by seed,
-    then restore them."""
+    """Run the body on the global RNGs seeded by seed, then restore them.
+
+    The RNGs are torch's CPU and CUDA device ones, random's and numpy's.
+    """
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     python_state = random.getstate()
     numpy_state = np.random.get_state()
+
     with torch.random.fork_rng(devices=cuda):
         torch.default_generator.manual_seed(seed)
         if cuda:
             torch.cuda.manual_seed(seed)
+
         try:
             yield
         finally:
@@ -240,16 +293,26 @@ def private_rng(seed):
 
 
 def step_line(record, times=None):
-    """The one line printed per step (metrics.jsonl holds every number); step 0: the first evaluation."""
+    """The one line printed per step; step 0 is the first evaluation.
+
+    metrics.jsonl holds every number.
+    """
     parts = [f"step {record['step']}"]
+
     if times is not None:
-        parts += [f"reward {record['reward_mean']:.3f}", f"loss {record['loss']:.4f}"]
+        parts.append(f"reward {record['reward_mean']:.3f}")
+        parts.append(f"loss {record['loss']:.4f}")
         if "kl" in record:
             parts.append(f"kl {record['kl']:.4f}")
         parts.append(f"len {record['len_mean']:.1f}")
         parts.append(" ".join(f"{k} {v:.2f}s" for k, v in times.items()))
+
     if "eval_greedy" in record:
-        passes = "".join(f" {k} {v:.3f}" for k, v in record.items() if k.startswith("pass@"))
+        passes = ""
+        for k, v in record.items():
+            if k.startswith("pass@"):
+                passes += f" {k} {v:.3f}"
         parts.append(f"held-out greedy {record['eval_greedy']:.3f} "
                      f"sampled {record['eval_sampled']:.3f}{passes}")
+
     return " | ".join(parts)

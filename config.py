@@ -1,29 +1,68 @@
 """
-Every knob of train.py: its flags (argparse, with ranges), the recipe that fills the flags left at
-None, and the rules between flags. `python train.py --help` prints the same list.
+Every knob of train.py: its flags (argparse, with ranges), the recipe that
+fills the flags left at None, and the rules between flags.
+`python train.py --help` prints the same list.
 
-    args = config.parse_args()     # the flags as the user gave them (checkpoint.run_config records these)
-    config.fill_defaults(args)     # None -> the recipe's value: the built-in task's, or R1's for a --dataset
-    config.check_flags(args)       # the rules between flags: one clear line each, the same on every rank
+    args = config.parse_args()    # the flags as the user gave them
+    config.fill_defaults(args)    # None -> the recipe's value
+    config.check_flags(args)      # the rules between flags, one line each
+    config.resolve_aliases(args)  # an older flag -> the flags it stands for
 
-Where a default comes from: a flag's own default below, or, where that is None, `defaults()` (the
-recipe). Tests import this module to check ranges and rules in milliseconds (tests/test_cli.py).
+checkpoint.run_config records the flags as the user gave them. The recipe is
+the built-in task's, or R1's for a --dataset. The rules give the same verdict
+on every rank.
+
+Where a default comes from: a flag's own default below, or, where that is
+None, `defaults()` (the recipe). Tests import this module to check ranges and
+rules in milliseconds (tests/test_cli.py).
 """
 import argparse
 import math
 import os
 
-from advantage import SCALE_REWARDS
 from common import fail, world
-from lora import LORA_TARGETS
-from loss import IS_CORRECTIONS, IS_LEVELS, LOSS_TYPES
-from task import position_reward
-from tools import SYSTEM_PROMPT as TOOLS_SYSTEM_PROMPT
+
+# -----------------------------------------------------------------------------
+# The choices of the flags below, which the stages check their arguments against
+
+# advantage.py: what the advantage divides by
+SCALE_REWARDS = ("group", "batch", "none")
+# reduction.REDUCTION's keys
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+# loss.py: the ratio per token, or per sequence (GSPO)
+IS_LEVELS = ("token", "sequence")
+IS_CORRECTIONS = (
+    "off",
+    "token_truncate",
+    "token_mask",
+    "sequence_truncate",
+    "sequence_mask",
+)
+# the default --lora-targets: attention and MLP projections
+LORA_TARGETS = [
+    "q_proj", "k_proj", "v_proj", "o_proj",  # attention
+    "gate_proj", "up_proj", "down_proj",  # MLP
+]
+
+# the recipe's system prompt with --tools python (tools.py runs the blocks)
+TOOLS_SYSTEM_PROMPT = (
+    "You can run Python: write a ```python block that prints what you need. When the "
+    "block closes "
+    "it runs, and what it printed appears in an ```output block. Then state the "
+    "answer.\n\n"
+    "Example:\nUser: Ann buys 23 bags of apples with 47 apples in each bag. How many "
+    "apples does "
+    "she have now?\nAssistant: ```python\nprint(23 * "
+    "47)\n```\n```output\n1081\n```\nShe has "
+    "1081 apples.")
 
 
 def number(kind=float, low=None, high=None, low_open=False, why=""):
-    """argparse type: a finite `kind` in [low, high] ((low, high] with low_open); None = unbounded.
-    Refuses nan/inf, which would otherwise pass every comparison-based check silently."""
+    """argparse type: a finite `kind` in [low, high], or (low, high] with low_open.
+
+    A bound of None is no bound. It refuses nan and inf, which would otherwise
+    pass every comparison-based check silently.
+    """
     if low is not None and high is not None:
         bounds = f"in {'(' if low_open else '['}{low}, {high}]"
     elif low is not None:
@@ -47,41 +86,58 @@ def number(kind=float, low=None, high=None, low_open=False, why=""):
 
 # -----------------------------------------------------------------------------
 # The flags. A default of None is the recipe's (defaults() below).
-parser = argparse.ArgumentParser(description="GRPO trainer (see the docstring of train.py)")
+parser = argparse.ArgumentParser(
+    description="GRPO trainer (see the docstring of train.py)")
 # one line ("error: argument --G: must be >= 2 ..."), not the 50-flag usage block
 parser.error = fail
 add = parser.add_argument
 int_ = number(int, 1)
 pos = number(float, 0, low_open=True)
+
 # --- model and data
-add("--model", default=None, help="hub id or local dir; default: a tiny Qwen2 built from a config")
+add("--model", default=None,
+    help="hub id or local dir; default: a tiny Qwen2 built from a config")
 add("--dataset", default=None,
     help="hub id or .json/.jsonl/.csv/.parquet file; default: the built-in task")
 add("--dataset-config", default=None)
 add("--split", default="train")
 add("--eval-split", default="test",
-    help="held-out split (local files: e.g. --split 'train[50:]' --eval-split 'train[:50]')")
+    help="held-out split "
+         "(local files: e.g. --split 'train[50:]' --eval-split 'train[:50]')")
 add("--prompt-column", default="prompt")
 add("--solution-column", default="solution")
-add("--system-prompt", default=None, help="default: data.DEFAULT_SYSTEM_PROMPT (R1's); '' for none")
-add("--task-digits", type=number(int, 1, 6), default=3, help="built-in task: digits per prompt")
+add("--system-prompt", default=None,
+    help="default: data.DEFAULT_SYSTEM_PROMPT (R1's); '' for none")
+add("--task-digits", type=number(int, 1, 6), default=3,
+    help="built-in task: digits per prompt")
+
 # --- rollouts
-add("--G", type=number(int, 2, why=" (a group needs two completions to compare)"), default=8,
+add("--G", default=8,
+    type=number(int, 2, why=" (a group needs two completions to compare)"),
     help="completions per prompt")
-add("--prompts-per-step", type=int_, default=32, help="prompts per step, all ranks together")
+add("--prompts-per-step", type=int_, default=32,
+    help="prompts per step, all ranks together")
 add("--dynamic-sampling", type=number(int, 0), default=0, metavar="ROUNDS",
-    help="DAPO: replace groups of equal rewards by new prompts, at most ROUNDS rounds a step (0: off)")
-add("--max-prompt-len", type=int_, default=512, help="longer prompts are dropped (with a warning)")
-add("--max-new-tokens", type=int_, default=None, help="completion limit (recipe: digits+1 / 512)")
+    help="DAPO: replace groups of equal rewards by new prompts, "
+         "at most ROUNDS rounds a step (0: off)")
+add("--max-prompt-len", type=int_, default=512,
+    help="longer prompts are dropped (with a warning)")
+add("--max-new-tokens", type=int_, default=None,
+    help="completion limit (recipe: digits+1 / 512)")
 add("--temperature", default=1.0,
-    type=number(float, 0, low_open=True, why=" for GRPO sampling (greedy completions never differ)"))
+    type=number(float, 0, low_open=True,
+                why=" for GRPO sampling (greedy completions never differ)"))
 add("--top-p", type=number(float, 0, 1, low_open=True), default=1.0)
-add("--engine", default="auto", choices=["auto", "vllm", "hf"], help="auto: vLLM when installed")
+add("--engine", default="auto", choices=["auto", "vllm", "hf"],
+    help="auto: vLLM when installed")
 add("--vllm-memory", type=number(float, 0, 1, low_open=True), default=0.3,
     help="vLLM memory fraction (of the GPU / NUMA RAM)")
-add("--vllm-tp", type=int_, default=1, help="colocated vLLM: tensor-parallel over this many ranks")
-add("--vllm-mode", default="colocate", choices=["colocate", "server"], help="server: see --vllm-url")
-add("--vllm-url", default=None, help="server mode: http://HOST:PORT of `python server.py`")
+add("--vllm-tp", type=int_, default=1,
+    help="colocated vLLM: tensor-parallel over this many ranks")
+add("--vllm-mode", default="colocate", choices=["colocate", "server"],
+    help="server: see --vllm-url")
+add("--vllm-url", default=None,
+    help="server mode: http://HOST:PORT of `python server.py`")
 add("--async", dest="async_", action="store_true",
     help="server mode: sample the next batch during this update")
 add("--tools", default=None, choices=["python"],
@@ -89,18 +145,23 @@ add("--tools", default=None, choices=["python"],
 add("--max-tool-calls", type=int_, default=4, help="--tools: calls per completion")
 add("--tool-output-tokens", type=number(int, 16), default=256,
     help="--tools: an output block's tokens, fences included (more: its end is kept)")
+
 # --- rewards
-add("--rewards", nargs="+", default=None, help="built-in names, dotted paths or reward-model dirs")
-add("--reward-weights", type=number(float), nargs="+", default=None, help="one weight per reward")
+add("--rewards", nargs="+", default=None,
+    help="built-in names, dotted paths or reward-model dirs")
+add("--reward-weights", type=number(float), nargs="+", default=None,
+    help="one weight per reward")
 add("--scale-rewards", default="group", choices=SCALE_REWARDS)
 add("--eval-reward", default=None,
     help="held-out accuracy's reward, like --rewards (recipe: exact match / accuracy)")
 # under gloo's 1800 s collective timeout (NCCL's: 600 s)
 add("--reward-timeout", type=number(float, 0, 1800, low_open=True), default=300,
     help="seconds a reward function may take on a batch; more ends the run, naming it")
+
 # --- optimization
 add("--steps", type=int_, default=400, help="GRPO steps (one rollout batch each)")
-add("--lr", type=pos, default=None, help="recipe: 3e-4 tiny model / 1e-6 --model (x10 with LoRA)")
+add("--lr", type=pos, default=None,
+    help="recipe: 3e-4 tiny model / 1e-6 --model (x10 with LoRA)")
 add("--warmup-steps", type=number(int, 0), default=10)
 add("--weight-decay", type=number(float, 0), default=0.0)
 add("--grad-clip", type=number(float, 0), default=1.0, help="max grad norm (0: off)")
@@ -111,33 +172,45 @@ add("--micro-batch-size", type=number(int, 0), default=0,
     help="completions per forward/backward (0: minibatch)")
 add("--lora-rank", type=number(int, 0), default=0,
     help="train LoRA adapters of this rank, base frozen (0: full fine-tuning)")
-add("--lora-alpha", type=pos, default=None, help="LoRA scale = alpha / rank (default alpha: 2 x rank)")
+add("--lora-alpha", type=pos, default=None,
+    help="LoRA scale = alpha / rank (default alpha: 2 x rank)")
 add("--lora-dropout", type=number(float, 0, 1), default=0.0,
     help="dropout on the adapters' input, in the update")
-add("--lora-targets", nargs="+", default=LORA_TARGETS, help="the modules that get adapters")
+add("--lora-targets", nargs="+", default=LORA_TARGETS,
+    help="the modules that get adapters")
+
 # --- loss
-add("--loss-type", default="grpo", choices=LOSS_TYPES, help="cispo, sapo: other objectives")
-add("--beta", type=number(float, 0), default=0.0, help="KL coefficient (0: no reference model)")
+add("--loss-type", default="grpo", choices=LOSS_TYPES,
+    help="cispo, sapo: other objectives")
+add("--beta", type=number(float, 0), default=0.0,
+    help="KL coefficient (0: no reference model)")
 add("--epsilon-low", type=number(float, 0), default=0.2)
-add("--epsilon-high", type=number(float, 0), default=0.2, help="cispo: the weight's cap itself")
+add("--epsilon-high", type=number(float, 0), default=0.2,
+    help="cispo: the weight's cap itself")
 add("--sapo-tau", type=pos, nargs=2, default=[1.0, 1.05], metavar=("POS", "NEG"),
     help="sapo: the gate's temperatures for A > 0 and A <= 0")
 add("--kl-bias-correction", action="store_true",
     help="KL x ratio: the unbiased reverse-KL gradient (DeepSeek-V3.2)")
-add("--mask-truncated", action="store_true", help="drop completions cut at --max-new-tokens (DAPO)")
+add("--mask-truncated", action="store_true",
+    help="drop completions cut at --max-new-tokens (DAPO)")
 add("--top-entropy-quantile", type=number(float, 0, 1), default=1.0, metavar="RHO",
-    help="policy loss on the top-RHO share of the step's tokens by entropy, all ranks (1: all)")
+    help="policy loss on the top-RHO share of the step's tokens by entropy, "
+         "all ranks (1: all)")
 add("--is-correction", default="off", choices=IS_CORRECTIONS,
-    help="sampler-vs-trainer importance sampling, per token or sequence, truncated or masked")
+    help="sampler-vs-trainer importance sampling, "
+         "per token or sequence, truncated or masked")
 add("--is-min", type=number(float, 0), default=0.0, help="IS ratio bound C_min (0: none)")
 add("--is-max", type=pos, default=3.0, help="IS ratio bound C_max")
 add("--off-policy-mask", type=number(float, 0), default=None, metavar="DELTA",
     help="drop A < 0 sequences whose mean KL(sampler || policy) > DELTA (DeepSeek-V3.2)")
 add("--importance-sampling-level", default="token", choices=IS_LEVELS)
-add("--entropy-coef", type=number(float, 0), default=None, help="entropy bonus (recipe: 0.1 / 0)")
+add("--entropy-coef", type=number(float, 0), default=None,
+    help="entropy bonus (recipe: 0.1 / 0)")
 add("--tis-cap", type=number(float, 0), default=0.0,
     help="alias of --is-correction token_truncate --is-max TIS_CAP (0: off)")
-add("--loss-impl", default="auto", choices=["auto", "triton", "torch"], help="auto: Triton on CUDA")
+add("--loss-impl", default="auto", choices=["auto", "triton", "torch"],
+    help="auto: Triton on CUDA")
+
 # --- evaluation, checkpoints, logging
 add("--eval-every", type=number(int, 0), default=50,
     help="held-out evaluation every N steps (0: at the end only)")
@@ -146,18 +219,23 @@ add("--eval-samples", type=number(int, 0), default=0,
     help="sampled completions per held-out prompt: pass@k (0: 1, off)")
 add("--eval-k", type=int_, nargs="+", default=None,
     help="pass@k for each k <= --eval-samples n (default: 1 and n)")
-add("--save-every", type=int_, default=100, help="checkpoint every N steps (and at the end)")
+add("--save-every", type=int_, default=100,
+    help="checkpoint every N steps (and at the end)")
 add("--keep-last", type=int_, default=2, help="checkpoints kept")
 add("--resume", default="auto", choices=["auto", "yes", "no"],
     help="auto: continue the out-dir's run if any")
-add("--out-dir", default="out", help="metrics.jsonl, metrics.png, checkpoints, final model")
+add("--out-dir", default="out",
+    help="metrics.jsonl, metrics.png, checkpoints, final model")
 add("--wandb", default=None, help="also log to this wandb project")
+
 # --- runtime
 add("--seed", type=number(int, 0), default=0)
-add("--threads", type=int_, default=1, help="torch CPU threads per rank (1 is fastest on small CPUs)")
+add("--threads", type=int_, default=1,
+    help="torch CPU threads per rank (1 is fastest on small CPUs)")
 add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
     help="compute dtype; weights stay fp32; auto: bf16 on CUDA")
-add("--fsdp", action="store_true", help="shard the policy (and reference) with FSDP2, per decoder layer")
+add("--fsdp", action="store_true",
+    help="shard the policy (and reference) with FSDP2, per decoder layer")
 
 
 def parse_args(argv=None):
@@ -169,15 +247,19 @@ def parse_args(argv=None):
 
 def defaults(builtin_task, tiny_model, digits, rewards=None, lora=False, tools=False):
     """The recipe behind every flag left at None.
-    The built-in task's: a tiny model from scratch, so a high lr, an entropy bonus, and exact match
-    plus position shaping. A --dataset's: R1's (format 0.1 + accuracy 1.0); with --tools, the
-    tools' system prompt (tools.py) and accuracy alone (that prompt asks for no <think> format).
-    Rewards given without weights weigh 1 each. LoRA (--lora-rank) trains with a 10x higher lr."""
+
+    The built-in task's: a tiny model from scratch, so a high lr, an entropy
+    bonus, and exact match plus position shaping.
+    A --dataset's: R1's (format 0.1 + accuracy 1.0). With --tools, the tools'
+    system prompt and accuracy alone (that prompt asks for no <think> format).
+    Rewards given without weights weigh 1 each. LoRA (--lora-rank) trains with
+    a 10x higher lr.
+    """
     if builtin_task:
         recipe = dict(
             max_new_tokens=digits + 1,  # the answer, then EOS
             entropy_coef=0.1,
-            rewards=["exact_match_reward", position_reward],
+            rewards=["exact_match_reward", "task.position_reward"],
             reward_weights=[1.0, 0.5],
             eval_reward="exact_match_reward",
         )
@@ -189,9 +271,11 @@ def defaults(builtin_task, tiny_model, digits, rewards=None, lora=False, tools=F
             reward_weights=[0.1, 1.0],
             eval_reward="accuracy_reward",
         )
+
     if tools and not builtin_task:
         recipe.update(system_prompt=TOOLS_SYSTEM_PROMPT, rewards=["accuracy_reward"],
                       reward_weights=[1.0])
+
     # LoRA's best lr is ~10x full fine-tuning's (docs/benchmarks.md)
     recipe["lr"] = (3e-4 if tiny_model else 1e-6) * (10 if lora else 1)
     if rewards:
@@ -201,8 +285,15 @@ def defaults(builtin_task, tiny_model, digits, rewards=None, lora=False, tools=F
 
 def fill_defaults(args):
     """Set every flag left at None to the recipe's value, in place."""
-    recipe = defaults(args.dataset is None, args.model is None, args.task_digits, args.rewards,
-                      args.lora_rank > 0, args.tools is not None)
+    recipe = defaults(
+        builtin_task=args.dataset is None,
+        tiny_model=args.model is None,
+        digits=args.task_digits,
+        rewards=args.rewards,
+        lora=args.lora_rank > 0,
+        tools=args.tools is not None,
+    )
+
     for k, v in recipe.items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
@@ -212,7 +303,8 @@ def fill_defaults(args):
 # -----------------------------------------------------------------------------
 # The rules between flags (argparse checked each flag's own range)
 
-# A flag that matters only under another one: given without it, it would be ignored in silence.
+# A flag that matters only under another one: given without it, it would be
+# ignored in silence.
 # flag (its dest) -> (is the other one on?, what to add)
 DEPENDS_ON = {
     "lora_alpha": (lambda a: a.lora_rank > 0, "--lora-rank R"),
@@ -220,13 +312,15 @@ DEPENDS_ON = {
     "lora_targets": (lambda a: a.lora_rank > 0, "--lora-rank R"),
     "vllm_url": (lambda a: a.vllm_mode == "server", "--vllm-mode server"),
     "vllm_memory": (lambda a: a.vllm_mode == "colocate" and a.engine != "hf",
-                    "the colocated vLLM engine (drop --engine hf and --vllm-mode server)"),
+                    "the colocated vLLM engine (drop --engine hf and --vllm-mode "
+                    "server)"),
     "dataset_config": (lambda a: a.dataset is not None, "--dataset"),
     "split": (lambda a: a.dataset is not None, "--dataset"),
     "eval_split": (lambda a: a.dataset is not None, "--dataset"),
     "prompt_column": (lambda a: a.dataset is not None, "--dataset"),
     "solution_column": (lambda a: a.dataset is not None, "--dataset"),
-    "system_prompt": (lambda a: a.dataset is not None, "--dataset (the built-in task has none)"),
+    "system_prompt": (lambda a: a.dataset is not None,
+                      "--dataset (the built-in task has none)"),
     "task_digits": (lambda a: a.dataset is None, "the built-in task: drop --dataset"),
     "max_tool_calls": (lambda a: a.tools is not None, "--tools python"),
     "tool_output_tokens": (lambda a: a.tools is not None, "--tools python"),
@@ -238,89 +332,132 @@ DEPENDS_ON = {
 
 
 def dependent_flag_errors(args):
-    """One line for each flag given (different from its default) while the flag it depends on is
-    off."""
+    """One line for each flag given (not at its default) while the flag it
+    depends on is off."""
     errors = []
     for dest, (is_on, needs) in DEPENDS_ON.items():
         given = getattr(args, dest) != parser.get_default(dest)
         if given and not is_on(args):
-            errors.append(f"--{dest.replace('_', '-')} does nothing without {needs}: add it, "
+            flag = "--" + dest.replace("_", "-")
+            errors.append(f"{flag} does nothing without {needs}: add it, "
                           f"or drop the flag")
     return errors
 
 
 def check_flags(args):
-    """The rules between train.py's flags: one clear line each, the same verdict on every rank,
-    before any heavy work."""
-    n_local = args.prompts_per_step // max(1, world) * args.G  # completions per rank per step
+    """The rules between train.py's flags, before any heavy work.
+
+    One clear line each, and the same verdict on every rank.
+    """
+    # the batch sizes: completions per rank per step, per optimizer step, per forward
+    n_local = args.prompts_per_step // max(1, world) * args.G
     minibatch = args.minibatch_size or n_local
     micro = args.micro_batch_size or minibatch
-    hub_id = args.model is not None and args.model.count("/") == 1 \
-        and not args.model.startswith((".", "/", "~")) and not os.path.exists(args.model)
+
+    # a hub id looks like org/name and is no local path
+    hub_id = False
+    if args.model is not None:
+        local = args.model.startswith((".", "/", "~")) or os.path.exists(args.model)
+        hub_id = args.model.count("/") == 1 and not local
     k_text = " ".join(map(str, args.eval_k or ()))
-    # --tools: the modes the tool loop does not serve yet (it wraps one rank's colocated engine)
-    modes = [("--vllm-mode server", args.vllm_mode == "server"), ("--async", args.async_),
-             (f"--vllm-tp {args.vllm_tp}", args.vllm_tp > 1), ("--fsdp", args.fsdp),
-             ("the built-in digit task (no --dataset)", args.dataset is None)]
+
+    # --tools: the modes the tool loop does not serve yet (it wraps one rank's
+    # colocated engine)
+    modes = [
+        ("--vllm-mode server", args.vllm_mode == "server"),
+        ("--async", args.async_),
+        (f"--vllm-tp {args.vllm_tp}", args.vllm_tp > 1),
+        ("--fsdp", args.fsdp),
+        ("the built-in digit task (no --dataset)", args.dataset is None),
+    ]
     no_tools = ", ".join(mode for mode, on in modes if on)
+
     checks = [
         (not (args.tools and no_tools),
-         f"--tools {args.tools} does not run with {no_tools} yet (the tool loop wraps a colocated "
-         f"engine, one per rank): drop one of the two"),
+         f"--tools {args.tools} does not run with {no_tools} yet (the tool loop "
+         f"wraps a colocated engine, one per rank): drop one of the two"),
+
         (args.prompts_per_step >= world,
-         f"--prompts-per-step {args.prompts_per_step} < {world} ranks: every rank needs a prompt"),
+         f"--prompts-per-step {args.prompts_per_step} < {world} ranks: "
+         f"every rank needs a prompt"),
         (args.prompts_per_step % world == 0,
-         f"--prompts-per-step {args.prompts_per_step} must be divisible by the {world} ranks"),
+         f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
+         f"{world} ranks"),
         (args.eval_size >= world,
-         f"--eval-size must be >= the {world} ranks (each evaluates a share), got {args.eval_size}"),
+         f"--eval-size must be >= the {world} ranks (each evaluates a share), "
+         f"got {args.eval_size}"),
+
         (not args.fsdp or world > 1,
          "--fsdp shards over ranks: launch with torchrun --nproc_per_node N (N >= 2)"),
         (not (args.fsdp and args.lora_rank),
-         "--lora-rank does not work with --fsdp: drop --fsdp (LoRA's frozen base in --dtype and "
-         "small adapters fit one GPU per rank under DDP)"),
+         "--lora-rank does not work with --fsdp: drop --fsdp (LoRA's frozen base "
+         "in --dtype and small adapters fit one GPU per rank under DDP)"),
         (args.vllm_mode == "colocate" or args.vllm_url,
          "--vllm-mode server needs --vllm-url http://HOST:PORT"),
         (not args.async_ or args.vllm_mode == "server",
-         "--async overlaps a rollout server's generation with the update: add --vllm-mode server "
-         "--vllm-url http://HOST:PORT (a colocated engine shares the trainer's device)"),
-        (world % args.vllm_tp == 0, f"--vllm-tp {args.vllm_tp} must divide the {world} ranks"),
+         "--async overlaps a rollout server's generation with the update: add "
+         "--vllm-mode server --vllm-url http://HOST:PORT (a colocated engine "
+         "shares the trainer's device)"),
+        (world % args.vllm_tp == 0,
+         f"--vllm-tp {args.vllm_tp} must divide the {world} ranks"),
         (args.vllm_tp == 1 or (args.engine != "hf" and args.vllm_mode == "colocate"),
          "--vllm-tp applies to the colocated vLLM engine: drop it with --engine hf, "
          "or set the server's own TP"),
-        (not (args.loss_impl == "triton" and args.importance_sampling_level == "sequence"),
-         "--loss-impl triton supports --importance-sampling-level token only; use --loss-impl torch"),
+
+        (args.loss_impl != "triton" or args.importance_sampling_level != "sequence",
+         "--loss-impl triton supports --importance-sampling-level token only; "
+         "use --loss-impl torch"),
         (args.loss_type != "cispo" or args.epsilon_high >= 1,
-         "--loss-type cispo caps the IS weight at --epsilon-high itself: give a cap >= 1 (e.g. 5)"),
-        (args.is_min <= args.is_max, f"--is-min {args.is_min} must be <= --is-max {args.is_max}"),
+         "--loss-type cispo caps the IS weight at --epsilon-high itself: "
+         "give a cap >= 1 (e.g. 5)"),
+        (args.is_min <= args.is_max,
+         f"--is-min {args.is_min} must be <= --is-max {args.is_max}"),
         (not (args.tis_cap and args.is_correction != "off"),
-         "--tis-cap C is --is-correction token_truncate --is-max C: give one of the two"),
+         "--tis-cap C is --is-correction token_truncate --is-max C: "
+         "give one of the two"),
+
         (args.model is None or os.path.isdir(args.model) or hub_id,
-         f"--model {args.model!r}: no such directory (give a local save_pretrained folder "
-         f"or a hub id like org/name)"),
+         f"--model {args.model!r}: no such directory (give a local "
+         f"save_pretrained folder or a hub id like org/name)"),
         (len(args.reward_weights) == len(args.rewards),
-         f"--reward-weights has {len(args.reward_weights)} values for {len(args.rewards)} --rewards: "
-         f"give one per reward"),
+         f"--reward-weights has {len(args.reward_weights)} values for "
+         f"{len(args.rewards)} --rewards: give one per reward"),
         (any(args.reward_weights),
-         "--reward-weights are all 0: every advantage would be 0 and nothing learned; "
-         "give a reward a non-zero weight"),
+         "--reward-weights are all 0: every advantage would be 0 and nothing "
+         "learned; give a reward a non-zero weight"),
+
         # n_local 0 is said above
         (n_local == 0 or not (n_local % minibatch or minibatch % micro),
-         f"--micro-batch-size {micro} must divide --minibatch-size {minibatch}, which must divide "
-         f"the {n_local} completions per rank per step (prompts-per-step / ranks * G)"),
+         f"--micro-batch-size {micro} must divide --minibatch-size {minibatch}, "
+         f"which must divide the {n_local} completions per rank per step "
+         f"(prompts-per-step / ranks * G)"),
+
         (args.dynamic_sampling != 1,
-         "--dynamic-sampling 1 draws no second round, so it drops no group: give the most rounds "
-         "a step may draw (>= 2), or 0 for off"),
+         "--dynamic-sampling 1 draws no second round, so it drops no group: "
+         "give the most rounds a step may draw (>= 2), or 0 for off"),
         (not (args.async_ and args.dynamic_sampling),
-         "--async samples one round ahead; --dynamic-sampling's extra rounds would sample in step "
-         "with the update: use one of them"),
+         "--async samples one round ahead; --dynamic-sampling's extra rounds "
+         "would sample in step with the update: use one of them"),
         (args.eval_samples or not args.eval_k,
-         "--eval-k needs --eval-samples n: pass@k is estimated from n sampled completions per "
-         "held-out prompt"),
+         "--eval-k needs --eval-samples n: pass@k is estimated from n sampled "
+         "completions per held-out prompt"),
         (all(k <= args.eval_samples for k in args.eval_k or ()),
          f"--eval-k {k_text}: each k must be <= --eval-samples {args.eval_samples}"),
     ]
     for ok, msg in checks:
         if not ok:
             fail(msg)
+
     for msg in dependent_flag_errors(args):
         fail(msg)
+
+
+def resolve_aliases(args):
+    """Set the flags an older flag stands for, in place (after check_flags).
+
+    --tis-cap C is --is-correction token_truncate --is-max C.
+    """
+    if args.tis_cap:
+        args.is_correction = "token_truncate"
+        args.is_max = args.tis_cap
+    return args

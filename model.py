@@ -1,26 +1,29 @@
-"""
-The policy as the trainer sees it: load a model folder (checked), wrap it for DDP or shard it with
-FSDP2, and run the forward that turns a rollout into the logits and log-probs the loss needs.
+"""The policy as the trainer sees it.
 
-    load_tokenizer(path)             -> (tokenizer, context length); ValueError: unusable folder
-    load_model(path, dtype, ...)     the policy (fp32 weights) or a frozen model (in dtype)
-    load_reference(policy, ...)      the frozen reference for --beta > 0
-    prompt_batch(prompt_ids, pad)    a rollout's distinct prompts, left-padded, for the forwards
-    completion_logits(model, ...)    (n, T, V) logits predicting the completions, prefix shared
-    selective_log_softmax(logits, ids)  log softmax(logits / temperature)[ids], fp32, chunked
-    sequence_logps(model, ...)       (N, T) log-probs of the completions, micro-batch by micro-batch
+Load a model folder (checked), wrap it for DDP or shard it with FSDP2, and run
+the forward that turns a rollout into the logits and log-probs the loss needs.
 
-Mixed precision, as PyTorch users expect: the policy's weights, gradients and AdamW states are fp32,
-and only the compute runs in --dtype (torch.autocast; FSDP2's MixedPrecisionPolicy casts the
-gathered weights and reduces gradients in fp32). bf16 weights updated in place lose every update
-below half a bf16 ulp of the weight. The frozen reference is stored in --dtype.
+    load_tokenizer(path)           -> (tokenizer, context length); ValueError: unusable
+    load_model(path, dtype, ...)   the policy (fp32 weights) or a frozen model (in dtype)
+    load_reference(policy, ...)    the frozen reference for --beta > 0
+    prompt_batch(prompt_ids, pad)  a rollout's distinct prompts, left-padded
+    completion_logits(model, ...)  (n, T, V) logits of the completions, prefix shared
+    selective_log_softmax(logits, ids)  log softmax(logits / temperature)[ids], fp32
+    sequence_logps(model, ...)     (N, T) log-probs of the completions, by micro-batch
+
+Mixed precision, as PyTorch users expect: the policy's weights, gradients and
+AdamW states are fp32, and only the compute runs in --dtype (torch.autocast).
+Under FSDP2, MixedPrecisionPolicy casts the gathered weights and reduces the
+gradients in fp32. bf16 weights updated in place would lose every update below
+half a bf16 ulp of the weight. The frozen reference is stored in --dtype.
 
 Simplifications:
-1. Full weights load on the CPU first; with FSDP2 each decoder layer is then sharded, so only this
-   rank's shard moves to the device
+1. Full weights load on the CPU first. With FSDP2 each decoder layer is then
+   sharded, so only this rank's shard moves to the device
    (https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html).
-2. FSDP2 models run one forward over whole sequences instead of sharing the prompt's prefix: a
-   second forward before the backward breaks FSDP2's backward (its resharded weights).
+2. FSDP2 models run one forward over whole sequences instead of sharing the
+   prompt's prefix: a second forward before the backward breaks FSDP2's backward
+   (its resharded weights).
 """
 import glob
 import json
@@ -40,59 +43,75 @@ from lora import AdaptersOff, add_lora, is_lora
 # Loading: the folder's checks, the tokenizer, the policy and the reference
 
 def load_tokenizer(path):
-    """-> (tokenizer, the model's context length). ValueError naming the folder when it is not a usable
-    model: no weights, weights cut short, no tokenizer (transformers 5 then builds an empty one
-    instead of failing), more tokens than the embedding has rows, or neither a pad nor an EOS
-    token."""
+    """-> (tokenizer, the model's context length).
+
+    ValueError naming the folder when it is not a usable model: no weights,
+    weights cut short, no tokenizer (transformers 5 then builds an empty one
+    instead of failing), more tokens than the embedding has rows, or neither a pad
+    nor an EOS token.
+    """
     from transformers import AutoConfig, AutoTokenizer
 
     if os.path.isdir(path):
         _check_weights(path)
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         config = AutoConfig.from_pretrained(path)
-    except Exception as e:  # OSError: a hub id not in the local cache while offline, no config.json
+    # OSError: a hub id not in the local cache while offline, no config.json
+    except Exception as e:
         raise ValueError(f"--model {path!r}: cannot load its tokenizer or config "
                          f"({cause(e)})") from None
+
     text_config = config.get_text_config()
     vocab = getattr(text_config, "vocab_size", None)
     context = getattr(text_config, "max_position_embeddings", None)
     checks = [
         (len(tokenizer) > 1,
-         f"has no tokenizer (the one loaded has {len(tokenizer)} token): save the model's "
-         f"tokenizer "
-         f"into the folder (tokenizer.save_pretrained)"),
+         f"has no tokenizer (the one loaded has {len(tokenizer)} token): "
+         f"save the model's tokenizer into the folder (tokenizer.save_pretrained)"),
         (vocab is None or len(tokenizer) <= vocab,
-         f"its tokenizer has {len(tokenizer)} tokens but the model's embedding has {vocab} rows "
-         f"(vocab_size): use the tokenizer the model was trained with"),
+         f"its tokenizer has {len(tokenizer)} tokens but the model's embedding "
+         f"has {vocab} rows (vocab_size): use the tokenizer the model was trained with"),
         (tokenizer.pad_token_id is not None or tokenizer.eos_token_id is not None,
          "its tokenizer has neither a pad nor an EOS token: completions could not end "
          "(set eos_token)"),
-        (context is not None, "its config gives no context length (max_position_embeddings)"),
+        (context is not None,
+         "its config gives no context length (max_position_embeddings)"),
     ]
     for ok, msg in checks:
         if not ok:
             raise ValueError(f"--model {path!r}: {msg}")
+
     return tokenizer, context
 
 
 def pad_id(tokenizer):
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    """The id that pads a batch: the tokenizer's pad token, else its EOS."""
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    return tokenizer.eos_token_id
 
 
 def _check_weights(path):
     """A local model folder has weights, and its safetensors files are whole."""
     from safetensors import safe_open
 
-    files = glob.glob(os.path.join(path, "*.safetensors")) + glob.glob(os.path.join(path, "*.bin"))
+    files = glob.glob(os.path.join(path, "*.safetensors"))
+    files += glob.glob(os.path.join(path, "*.bin"))
     if not files:
-        raise ValueError(f"--model {path!r}: no weights (*.safetensors or *.bin) in the folder: save "
-                         f"the model there (save_pretrained), or give a hub id")
-    for index in glob.glob(os.path.join(path, "*.index.json")):  # sharded: every shard it names
-        for shard in sorted(set(json.load(open(index)).get("weight_map", {}).values())):
+        raise ValueError(f"--model {path!r}: no weights (*.safetensors or *.bin) in "
+                         f"the folder: save the model there (save_pretrained), "
+                         f"or give a hub id")
+
+    # sharded: every shard the index names
+    for index in glob.glob(os.path.join(path, "*.index.json")):
+        shards = json.load(open(index)).get("weight_map", {}).values()
+        for shard in sorted(set(shards)):
             if not os.path.exists(os.path.join(path, shard)):
                 raise ValueError(f"--model {path!r}: shard {shard} named in "
                                  f"{os.path.basename(index)} is missing")
+
     for f in files:
         try:
             if f.endswith(".safetensors"):
@@ -103,31 +122,40 @@ def _check_weights(path):
                 zipfile.ZipFile(f).close()
         # SafetensorError ("incomplete metadata, not fully covered"), BadZipFile
         except Exception as e:
-            raise ValueError(f"--model {path!r}: {os.path.basename(f)} is damaged or cut short ({e}): "
-                             f"copy or save the model again") from None
+            raise ValueError(f"--model {path!r}: {os.path.basename(f)} is damaged or cut "
+                             f"short ({e}): copy or save the model again") from None
 
 
 def load_model(path, dtype, device, fsdp=False, lora=None, frozen=False):
-    """The trainable policy in fp32, or a frozen model (the reference) in dtype, eval mode. fsdp: shard
-    each decoder layer over the ranks (simplification 1). lora (a peft LoraConfig,
-    lora.lora_config): the base model in dtype, frozen, with fp32 adapters. ValueError naming the
-    folder when its weights do not load (missing, cut short, another shape)."""
+    """The trainable policy in fp32, or a frozen model (the reference) in dtype.
+
+    A frozen model is in eval mode. fsdp: shard each decoder layer over the ranks
+    (simplification 1). lora, a peft LoraConfig (lora.lora_config): the base
+    model in dtype, frozen, with fp32 adapters. ValueError naming the folder when
+    its weights do not load (missing, cut short, another shape).
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
-    weights_dtype = dtype if frozen or lora else torch.float32
+    if frozen or lora:
+        weights_dtype = dtype
+    else:
+        weights_dtype = torch.float32
     try:
         m = AutoModelForCausalLM.from_pretrained(path, dtype=weights_dtype)
     # OSError (no weights), SafetensorError (cut short), RuntimeError (shapes)
     except Exception as e:
         first_line = str(e).strip().splitlines()[0]
-        raise ValueError(f"model {path!r}: cannot load its weights ({first_line})") from None
+        raise ValueError(f"model {path!r}: cannot load its weights "
+                         f"({first_line})") from None
+
     if fsdp:
         # compute in dtype, reduce gradients in fp32
         mixed = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         for layer in m.model.layers:
             fully_shard(layer, mp_policy=mixed)
         fully_shard(m, mp_policy=mixed)
+
     if lora:
         m = add_lora(m, lora)
     elif frozen:
@@ -136,74 +164,98 @@ def load_model(path, dtype, device, fsdp=False, lora=None, frozen=False):
 
 
 def load_reference(policy, path, dtype, device, fsdp):
-    """The frozen reference (beta > 0): the initial model at path, in dtype. With LoRA, no second copy
-    of the weights: the policy itself with its adapters off (lora.AdaptersOff)."""
+    """The frozen reference (beta > 0): the initial model at path, in dtype.
+
+    With LoRA there is no second copy of the weights: the reference is the policy
+    itself with its adapters off (lora.AdaptersOff).
+    """
     if is_lora(policy):
         return AdaptersOff(policy)
     return load_model(path, dtype, device, fsdp, frozen=True)
 
 
-def cpu_kv_cache_bytes(config, max_model_len, dtype, ram_fraction, max_num_seqs=256, block=128):
-    """The KV cache of vLLM's default CPU batch, capped at ram_fraction of RAM (vLLM zeroes it)."""
-    text = config.get_text_config()
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    itemsize = getattr(torch, str(dtype).removeprefix("torch.")).itemsize
-    tokens = max_num_seqs * -(-(max_model_len or text.max_position_embeddings) // block) * block
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    need = tokens * 2 * text.num_hidden_layers * heads * head_dim * itemsize  # K and V
-    return int(min(need, ram_fraction * ram))
-
-
 def wrap_ddp(model, device):
-    """DDP all-reduces gradients in backward (FSDP2 models reduce-scatter on their own)."""
+    """DDP all-reduces gradients in backward.
+
+    FSDP2 models reduce-scatter on their own.
+    """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if device.type == "cuda":
+        device_ids = [device.index]
+    else:
+        device_ids = None
+    return DDP(model, device_ids=device_ids)
 
 
 # -----------------------------------------------------------------------------
 # The forward: a rollout -> logits and log-probs of its completions
 
 def sequence_batch(prompt_ids, completion_ids, pad_id):
-    """Left-pad prompts to a common length P and append the completions: (B, P+T) ids, mask and
-    RoPE positions (CPU)."""
+    """Left-pad prompts to a common length P and append the completions.
+
+    -> (B, P+T) ids, mask and RoPE positions, on the CPU.
+    """
     P = max(len(p) for p in prompt_ids)
     prompts = torch.tensor([[pad_id] * (P - len(p)) + p for p in prompt_ids])  # (B, P)
-    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompt_ids])  # (B, P)
+    prompt_mask = [[0] * (P - len(p)) + [1] * len(p) for p in prompt_ids]
+    prompt_mask = torch.tensor(prompt_mask)  # (B, P)
+
     input_ids = torch.cat([prompts, completion_ids], dim=1)  # (B, P+T)
-    attention_mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)  # (B, P+T)
+    completion_mask = torch.ones_like(completion_ids)  # (B, T)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (B, P+T)
     # left padding must not shift the RoPE positions
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # (B, P+T)
     return input_ids, attention_mask, position_ids
 
 
 def prompt_batch(prompt_ids, pad_id):
-    """A rollout's prompts for the trainer's forwards, each distinct prompt once (its G completions
-    share it, see completion_logits): left-padded ids (B, P), their mask (B, P), RoPE positions (B,
-    P) and each completion's prompt row (N,). prompt_ids lists each completion's prompt, a group's
-    consecutively (Rollout.prompt_ids)."""
+    """A rollout's prompts for the trainer's forwards, each distinct prompt once.
+
+    A prompt's G completions share it (see completion_logits). prompt_ids lists
+    each completion's prompt, a group's consecutively (Rollout.prompt_ids).
+    -> left-padded ids (B, P), their mask (B, P), RoPE positions (B, P) and each
+    completion's prompt row (N,).
+    """
     first = [i == 0 or p != prompt_ids[i - 1] for i, p in enumerate(prompt_ids)]
     prompt_row = torch.tensor(first).cumsum(0) - 1  # (N,)
+
     prompts = [p for p, f in zip(prompt_ids, first) if f]
     no_completions = torch.zeros(len(prompts), 0, dtype=torch.long)  # (B, 0)
     return (*sequence_batch(prompts, no_completions, pad_id), prompt_row)
 
 
 def completion_logits(model, prompts, rows, completion_ids, dtype=torch.float32):
-    """Logits (n, T, V) that predict completion_ids (n, T), the completions of `rows` (a slice of the
-    rollout), autocast to dtype. Prefix sharing: the G completions of a prompt share its forward.
-    That is B*(P-1) + n*T tokens instead of n*(P+T), with the same logits and gradients to rounding
-    (tests/test_prefix_sharing.py). FSDP2 models: whole sequences (simplification 2)."""
+    """Logits (n, T, V) that predict completion_ids (n, T), autocast to dtype.
+
+    completion_ids are the completions of `rows`, a slice of the rollout.
+    Prefix sharing: the G completions of a prompt share its forward. That is
+    B*(P-1) + n*T tokens instead of n*(P+T), with the same logits and gradients
+    to rounding (tests/test_prefix_sharing.py). FSDP2 models run whole sequences
+    (simplification 2).
+    """
     prompt_ids, prompt_mask, positions, prompt_row = prompts  # (B, P) x3, (N,)
     row = prompt_row[rows]  # (n,) the prompt of each completion of this micro-batch
+
     # a group's completions are consecutive: this micro-batch's prompts are a range
-    lo, hi = row[0].item(), row[-1].item() + 1
-    ids, mask, positions, row = prompt_ids[lo:hi], prompt_mask[lo:hi], positions[lo:hi], row - lo
+    lo = row[0].item()
+    hi = row[-1].item() + 1
+    ids = prompt_ids[lo:hi]
+    mask = prompt_mask[lo:hi]
+    positions = positions[lo:hi]
+    row = row - lo
+
     n, T = completion_ids.shape
-    S = 0 if isinstance(model, FSDPModule) else ids.shape[1] - 1  # the shared prefix's length
-    with torch.autocast(completion_ids.device.type, dtype=dtype, enabled=dtype != torch.float32):
-        # 1) the prompts minus their last token, once each: their KV cache (a 1-position LM head)
+    # the shared prefix's length
+    if isinstance(model, FSDPModule):
+        S = 0
+    else:
+        S = ids.shape[1] - 1
+
+    device_type = completion_ids.device.type
+    with torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32):
+        # 1) the prompts minus their last token, once each: their KV cache
+        # (a 1-position LM head)
         cache = None
         if S > 0:
             cache = model(input_ids=ids[:, :S], attention_mask=mask[:, :S],
@@ -211,31 +263,37 @@ def completion_logits(model, prompts, rows, completion_ids, dtype=torch.float32)
                           logits_to_keep=1).past_key_values
             # 2) the cache, gathered to the n completions (a differentiable index)
             cache.batch_select_indices(row)  # (b, ...) -> (n, ...) per layer
+
         # 3) each completion on top of it, fed [last prompt token, completion[:-1]]
         # completion[:-1] follows the prompt's last position
         tail = torch.arange(1, T, device=ids.device)
         input_ids = torch.cat([ids[row, S:], completion_ids[:, :-1]], 1)  # (n, P-S+T-1)
         ones = torch.ones_like(completion_ids[:, :-1])  # (n, T-1)
         attention_mask = torch.cat([mask[row], ones], 1)  # (n, P+T-1)
-        position_ids = torch.cat([positions[row, S:], positions[row, -1:] + tail], 1)  # (n, ...)
-        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     past_key_values=cache, use_cache=False, logits_to_keep=T).logits  # (n, T, V)
+        prefix_positions = positions[row, S:]  # (n, P-S)
+        completion_positions = positions[row, -1:] + tail  # (n, T-1)
+        position_ids = torch.cat([prefix_positions, completion_positions], 1)  # (n, ...)
+        return model(input_ids=input_ids, attention_mask=attention_mask,
+                     position_ids=position_ids, past_key_values=cache, use_cache=False,
+                     logits_to_keep=T).logits  # (n, T, V)
 
 
 # log-probs and entropies from logits, a chunk of rows at a time
-CHUNK_ELEMENTS = 2**26  # fp32 elements per row chunk (256 MiB): bounds the transient upcast copy
+# fp32 elements per row chunk (256 MiB): bounds the transient upcast copy
+CHUNK_ELEMENTS = 2**26
 
 
 def _upcast(rows, temperature):
-    # bf16 logits are upcast before dividing so the result does not depend on bf16 rounding;
-    # fp64 stays fp64 so gradcheck can run on these functions.
+    # bf16 logits are upcast before dividing, so the result does not depend on
+    # bf16 rounding. fp64 stays fp64 so that gradcheck can run on these functions.
     dtype = torch.promote_types(rows.dtype, torch.float32)
     return rows.to(dtype) / temperature  # (n, V)
 
 
 def _chosen_logps(rows, ids, temperature):
     z = _upcast(rows, temperature)  # (n, V)
-    return z.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)  # (n,)
+    chosen = z.gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # (n,)
+    return chosen - torch.logsumexp(z, dim=-1)  # (n,)
 
 
 def _entropy(rows, temperature):
@@ -246,22 +304,32 @@ def _entropy(rows, temperature):
 
 
 def _by_row_chunks(fn, logits, *row_args, chunk_rows=None):
-    """fn over chunks of logits (B, T, V) -> (B, T), each chunk at most chunk_rows positions (default:
-    as many as fit in CHUNK_ELEMENTS fp32 numbers): whole sequences while one fits, else pieces of
-    one sequence. Slices are views (reshape would copy a non-contiguous input). With several chunks
-    each is checkpointed under autograd (its fp32 intermediates recomputed in backward), so no fp32
-    copy of more than one chunk exists. A single chunk runs plainly: checkpointing it would cost
-    time and save nothing the bound does not already allow."""
+    """fn over chunks of logits (B, T, V) -> (B, T).
+
+    Each chunk holds at most chunk_rows positions (default: as many as fit in
+    CHUNK_ELEMENTS fp32 numbers): whole sequences while one fits, else pieces of
+    one sequence. Slices are views (reshape would copy a non-contiguous input).
+
+    With several chunks, each is checkpointed under autograd: its fp32
+    intermediates are recomputed in backward, so no fp32 copy of more than one
+    chunk exists. A single chunk runs plainly: checkpointing it would cost time
+    and save nothing the bound does not already allow.
+    """
     B, T, V = logits.shape
     step = chunk_rows or max(1, CHUNK_ELEMENTS // V)
     if B * T <= step:
         return fn(logits, *row_args)  # (B, T)
-    if T <= step:  # k whole sequences per chunk
+
+    # k whole sequences per chunk
+    if T <= step:
         k = step // T
         chunks = [[x[i:i + k] for x in (logits, *row_args)] for i in range(0, B, k)]
-    else:  # pieces of one sequence
-        pieces = [[c for row in x.unbind(0) for c in row.split(step)] for x in (logits, *row_args)]
+    # pieces of one sequence
+    else:
+        pieces = [[c for row in x.unbind(0) for c in row.split(step)]
+                  for x in (logits, *row_args)]
         chunks = list(zip(*pieces))
+
     save_nothing = torch.is_grad_enabled() and logits.requires_grad
     if save_nothing:
         out = [checkpoint(fn, *c, use_reentrant=False) for c in chunks]
@@ -271,26 +339,36 @@ def _by_row_chunks(fn, logits, *row_args, chunk_rows=None):
 
 
 def selective_log_softmax(logits, ids, temperature=1.0, chunk_rows=None):
-    """log softmax(logits / temperature)[ids]: (B, T, V), (B, T) -> (B, T) in fp32
-    (fp64 for fp64 logits). Must use the sampling temperature, or the ratio is off-policy."""
-    return _by_row_chunks(partial(_chosen_logps, temperature=temperature), logits, ids,
-                          chunk_rows=chunk_rows)
+    """log softmax(logits / temperature)[ids]: (B, T, V), (B, T) -> (B, T) in fp32.
+
+    fp64 logits give fp64. It must use the sampling temperature, or the ratio is
+    off-policy.
+    """
+    fn = partial(_chosen_logps, temperature=temperature)
+    return _by_row_chunks(fn, logits, ids, chunk_rows=chunk_rows)
 
 
 def entropy_from_logits(logits, temperature=1.0, chunk_rows=None):
-    """Entropy -sum_v p_v log p_v of p = softmax(logits / temperature): (B, T, V) -> (B, T) fp32."""
+    """Entropy -sum_v p_v log p_v of p = softmax(logits / temperature).
+
+    (B, T, V) -> (B, T) in fp32.
+    """
     fn = partial(_entropy, temperature=temperature)
     return _by_row_chunks(fn, logits, chunk_rows=chunk_rows)
 
 
 @torch.no_grad()
-def sequence_logps(model, prompts, completion_ids, temperature, micro, dtype=torch.float32):
-    """Per-token log-probs (N, T) of the completions under model (the old policy, the reference),
-    micro sequences per forward: as in the update, the logits alive at once are (micro, T, V)."""
+def sequence_logps(model, prompts, completion_ids, temperature, micro,
+                   dtype=torch.float32):
+    """Per-token log-probs (N, T) of the completions under model.
+
+    model is the old policy or the reference. micro sequences go in each forward:
+    as in the update, the logits alive at once are (micro, T, V).
+    """
     logps = []
     for i in range(0, completion_ids.shape[0], micro):
         ids = completion_ids[i:i + micro]  # (micro, T)
-        logits = completion_logits(model, prompts, slice(i, i + micro), ids, dtype)  # (micro, T, V)
+        rows = slice(i, i + micro)
+        logits = completion_logits(model, prompts, rows, ids, dtype)  # (micro, T, V)
         logps.append(selective_log_softmax(logits, ids, temperature))  # (micro, T)
     return torch.cat(logps)  # (N, T)
-

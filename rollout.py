@@ -1,19 +1,31 @@
 """
 Rollout: sample G completions per prompt from the policy, with the sampler's own logprobs
-    sampling_logps[i, t] = log softmax(process(logits_t) / temperature)[completion_ids[i, t]]
-process: the repetition penalty, then top-k / top-p / min-p after the temperature. Unfiltered, this
-is what the trainer recomputes (loss.selective_log_softmax); raw logprobs are not (trl#4159).
+
+    sampling_logps[i, t] = log softmax(process(logits_t) / temperature)[c]
+    where c = completion_ids[i, t], the token sampled at step t of completion i
+
+process: the repetition penalty, then top-k / top-p / min-p after the
+temperature. Unfiltered, this is what the trainer recomputes
+(model.selective_log_softmax). Raw logprobs are not (trl#4159).
+
 Tests: python -m pytest -q tests/test_rollout*.py; benchmark: python -m bench rollout
 
 Simplifications:
-1. Weights sync in-process, a parameter at a time, through vLLM's reload_weights (FSDP2: gathered).
-2. Each generate call samples from torch's global RNG on a private stream seeded by (seed, call
-   number), the trainer's RNG restored; never per request: a prompt's G completions would match.
-3. Under torchrun, one engine per rank; tensor_parallel_size N groups N consecutive ranks in one.
-4. vLLM applies min-p before top-k / top-p, HFEngine after: the two agree with one filter on.
-5. HFEngine is gpt-fast's decode loop, a prompt's forward shared by its G completions; no paging.
-6. VLLMEngine.close() tears down vLLM's global state and the default process group: close it last.
-7. On CPU, VLLMEngine sizes the KV cache to the need, and runs eagerly what vLLM's sampler compiles.
+1. Weights sync in-process, a parameter at a time, through vLLM's
+   reload_weights (FSDP2: gathered).
+2. Each generate call samples from torch's global RNG on a private stream
+   seeded by (seed, call number), and the trainer's RNG is restored. Never a
+   seed per request: a prompt's G completions would match.
+3. Under torchrun, one engine per rank. tensor_parallel_size N groups N
+   consecutive ranks in one engine.
+4. vLLM applies min-p before top-k / top-p, HFEngine after: the two agree with
+   one filter on.
+5. HFEngine is gpt-fast's decode loop, a prompt's forward shared by its G
+   completions. No paging.
+6. VLLMEngine.close() tears down vLLM's global state and the default process
+   group: close it last.
+7. On CPU, VLLMEngine sizes the KV cache to the need, and runs eagerly what
+   vLLM's sampler compiles.
 """
 import gc
 import itertools
@@ -28,86 +40,137 @@ from torch.distributed.tensor import DTensor
 
 from common import all_ranks_ok, private_rng, unwrap
 from lora import full_named_parameters
-from model import cpu_kv_cache_bytes, pad_id, sequence_batch
+from model import pad_id, sequence_batch
 
 
 @dataclass
 class Rollout:
-    prompt_ids: list[list[int]]     # (N,) each completion's prompt: each prompt G times
-    completion_ids: torch.Tensor    # (N, T) long, right-padded with the pad id
-    completion_mask: torch.Tensor   # (N, T) float, 1 up to and including EOS (0 at tool outputs)
-    sampling_logps: torch.Tensor    # (N, T) float32, the sampler's logprobs, 0 where masked
-    is_finished: torch.Tensor       # (N,) bool, EOS sampled (False: cut at max_new_tokens)
-    texts: list[str]                # (N,) completions decoded up to (excluding) EOS
+    # (N,) each completion's prompt: each prompt G times
+    prompt_ids: list[list[int]]
+    # (N, T) long, right-padded with the pad id
+    completion_ids: torch.Tensor
+    # (N, T) float, 1 up to and including EOS (0 at tool outputs)
+    completion_mask: torch.Tensor
+    # (N, T) float32, the sampler's logprobs, 0 where masked
+    sampling_logps: torch.Tensor
+    # (N,) bool, EOS sampled (False: cut at max_new_tokens)
+    is_finished: torch.Tensor
+    # (N,) completions decoded up to (excluding) EOS
+    texts: list[str]
 
 
 def build_rollout(prompt_ids, G, completions, logps, finished, pad_id, tokenizer):
-    """Lists per completion (token ids, their logprobs, EOS reached) -> a padded Rollout on CPU."""
+    """Lists per completion -> a padded Rollout on CPU.
+
+    The lists: each completion's token ids, their logprobs, and whether it
+    reached EOS.
+    """
     lengths = torch.tensor([len(c) for c in completions])  # (N,)
     mask = torch.arange(max([1] + lengths.tolist())) < lengths[:, None]  # (N, T)
+
     flat_ids = torch.tensor(list(itertools.chain(*completions)), dtype=torch.long)
     flat_logps = torch.tensor(list(itertools.chain(*logps)), dtype=torch.float32)
-    completion_ids = torch.full(mask.shape, pad_id).masked_scatter_(mask, flat_ids)  # (N, T)
-    sampling_logps = torch.zeros(mask.shape).masked_scatter_(mask, flat_logps)  # (N, T)
+    completion_ids = torch.full(mask.shape, pad_id)  # (N, T)
+    completion_ids.masked_scatter_(mask, flat_ids)
+    sampling_logps = torch.zeros(mask.shape)  # (N, T)
+    sampling_logps.masked_scatter_(mask, flat_logps)
+
     without_eos = [ids[:-1] if f else ids for ids, f in zip(completions, finished)]
     texts = tokenizer.batch_decode(without_eos, skip_special_tokens=True)
-    return Rollout([p for p in prompt_ids for _ in range(G)], completion_ids, mask.float(),
-                   sampling_logps, torch.tensor(finished, dtype=torch.bool), texts)
+
+    every_prompt = [p for p in prompt_ids for _ in range(G)]
+    is_finished = torch.tensor(finished, dtype=torch.bool)
+    return Rollout(every_prompt, completion_ids, mask.float(), sampling_logps,
+                   is_finished, texts)
 
 
 def call_seed(seed, call):
-    return seed * 1_000_003 + call  # distinct per (seed, call) below a million calls
+    """The seed of generate call number `call`: distinct per (seed, call) below a
+    million calls."""
+    return seed * 1_000_003 + call
 
 
-def process_logits(logits, seen, temperature, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0):
-    """(N, V) fp32 logits -> scores to sample from, -inf where filtered (greedy: unfiltered). seen
-    (N, S): the tokens so far. Diverged logits are clamped: sampling goes on, as vLLM's does."""
+def process_logits(logits, seen, temperature, top_p=1.0, top_k=0, min_p=0.0,
+                   repetition_penalty=1.0):
+    """(N, V) fp32 logits -> scores to sample from, -inf where filtered.
+
+    Greedy (temperature 0) leaves them unfiltered. seen (N, S): the tokens so far.
+    Diverged logits are clamped: sampling goes on, as vLLM's does.
+    """
     scores = logits.nan_to_num(0.0).clamp(-1e4, 1e4)  # (N, V)
-    if repetition_penalty != 1.0:  # CTRL (arXiv:1909.05858): a seen logit / penalty if > 0, else x
+
+    # CTRL (arXiv:1909.05858): a seen logit / penalty if > 0, else x penalty
+    if repetition_penalty != 1.0:
         s = scores.gather(1, seen)
         penalized = torch.where(s < 0, s * repetition_penalty, s / repetition_penalty)
         scores = scores.scatter(1, seen, penalized)
+
     if temperature == 0:
         return scores
     scores = scores / temperature
+
     if (top_k or 0) > 0:
         kth = scores.topk(min(top_k, scores.shape[1])).values[:, -1:]  # (N, 1)
         scores = scores.masked_fill(scores < kth, -torch.inf)
-    if top_p < 1.0:  # drop a token when the likelier ones already hold top_p of the mass
+
+    # drop a token when the likelier ones already hold top_p of the mass
+    if top_p < 1.0:
         ordered, order = scores.sort(-1, descending=True)
         probs = ordered.softmax(-1)
         drop = probs.cumsum(-1) - probs > top_p  # (N, V) in sorted order
         scores = scores.scatter(1, order, ordered.masked_fill(drop, -torch.inf))
-    if min_p > 0:  # drop a token less likely than min_p x the likeliest one
+
+    # drop a token less likely than min_p x the likeliest one
+    if min_p > 0:
         probs = scores.softmax(-1)
-        scores = scores.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, -torch.inf)
+        floor = min_p * probs.max(-1, keepdim=True).values  # (N, 1)
+        scores = scores.masked_fill(probs < floor, -torch.inf)
     return scores
 
 
 class Engine:
-    """Subclasses: sample(prompts, n, max_new_tokens, rng_seed, ...) -> ids, logps, finished."""
+    """A rollout engine. generate samples through the subclass's sample.
+
+    sample(prompts, n, max_new_tokens, rng_seed, ...) -> ids, logps, finished.
+    """
+
     calls = 0  # generate calls so far: the position in the sampling streams
     tp_group = None  # the tensor-parallel group sharing this engine (simplification 3)
     tp_rank = 0
 
     def generate(self, prompt_ids, G, max_new_tokens, temperature=1.0, **sampling):
-        """G completions per prompt, each until EOS or max_new_tokens. sampling: top_p, top_k,
-        min_p, repetition_penalty. Temperature 0: one greedy completion, repeated G times."""
+        """G completions per prompt, each until EOS or max_new_tokens.
+
+        sampling: top_p, top_k, min_p, repetition_penalty. Temperature 0: one
+        greedy completion, repeated G times.
+        """
+        # the group's shards sample all its ranks' prompts at once
         everyone = [prompt_ids]
-        if self.tp_group is not None:  # the group's shards sample all its ranks' prompts at once
+        if self.tp_group is not None:
             everyone = [None] * dist.get_world_size(self.tp_group)
             dist.all_gather_object(everyone, prompt_ids, group=self.tp_group)
         prompts = sum(everyone, [])  # (B,) the group's prompts, rank after rank
-        if not prompts or not all(isinstance(p, list) and p and isinstance(p[0], int) for p in prompts):
-            raise ValueError("prompt_ids must be a non-empty list of non-empty lists of token ids, "
-                             "e.g. tokenizer(prompts)['input_ids']")
+
+        token_lists = all(isinstance(p, list) and p and isinstance(p[0], int)
+                          for p in prompts)
+        if not prompts or not token_lists:
+            raise ValueError("prompt_ids must be a non-empty list of non-empty lists of "
+                             "token ids, e.g. tokenizer(prompts)['input_ids']")
         if G < 1 or max_new_tokens < 1:
-            raise ValueError(f"G ({G}) and max_new_tokens ({max_new_tokens}) must be >= 1")
-        n = 1 if temperature == 0 else G
+            raise ValueError(f"G ({G}) and max_new_tokens ({max_new_tokens}) "
+                             f"must be >= 1")
+
+        if temperature == 0:
+            n = 1
+        else:
+            n = G
         seed = call_seed(self.seed, self.calls)
-        lists = self.sample(prompts, n, max_new_tokens, seed, temperature=temperature, **sampling)
+        lists = self.sample(prompts, n, max_new_tokens, seed, temperature=temperature,
+                            **sampling)
         self.calls += 1
-        start = sum(map(len, everyone[: self.tp_rank])) * n  # this rank's first completion
+
+        # this rank's completions, each repeated G // n times
+        start = sum(map(len, everyone[: self.tp_rank])) * n
         stop = start + len(prompt_ids) * n
         lists = [[x for x in xs[start:stop] for _ in range(G // n)] for xs in lists]
         return build_rollout(prompt_ids, G, *lists, self.pad_id, self.tokenizer)
@@ -122,83 +185,150 @@ class Engine:
         pass
 
 
+def cpu_kv_cache_bytes(config, max_model_len, dtype, ram_fraction, max_num_seqs=256,
+                       block=128):
+    """The KV cache of vLLM's default CPU batch, capped at ram_fraction of RAM.
+
+    vLLM zeroes all of it at start-up (simplification 7).
+    """
+    text = config.get_text_config()
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None)
+    head_dim = head_dim or text.hidden_size // text.num_attention_heads
+    itemsize = getattr(torch, str(dtype).removeprefix("torch.")).itemsize
+
+    length = max_model_len or text.max_position_embeddings
+    tokens = max_num_seqs * -(-length // block) * block
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    need = tokens * 2 * text.num_hidden_layers * heads * head_dim * itemsize  # K and V
+    return int(min(need, ram_fraction * ram))
+
+
 class VLLMEngine(Engine):
     def __init__(self, model_path, *, seed=0, dtype=None, max_model_len=None,
-                 gpu_memory_utilization=0.3, tensor_parallel_size=1, distributed=None, **llm_kwargs):
-        """model_path: a save_pretrained folder or hub id; gpu_memory_utilization: of RAM on CPU."""
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in-process
+                 gpu_memory_utilization=0.3, tensor_parallel_size=1, distributed=None,
+                 **llm_kwargs):
+        """model_path: a save_pretrained folder or hub id.
+
+        gpu_memory_utilization: the fraction of GPU memory, or of RAM on CPU.
+        """
+        # the engine core in-process
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from transformers import AutoConfig
         from vllm import LLM
+
+        # the checkpoint's dtype: vLLM's "auto" samples fp32 ones in bf16
         config = AutoConfig.from_pretrained(model_path)
-        if dtype in (None, "auto"):  # the checkpoint's: vLLM's "auto" samples fp32 ones in bf16
+        if dtype in (None, "auto"):
             dtype = config.dtype or torch.float32
-        if not torch.cuda.is_available():  # start-up on CPU: simplification 7
-            kv_bytes = cpu_kv_cache_bytes(config, max_model_len, dtype, gpu_memory_utilization)
+
+        # start-up on CPU: simplification 7
+        if not torch.cuda.is_available():
+            kv_bytes = cpu_kv_cache_bytes(config, max_model_len, dtype,
+                                          gpu_memory_utilization)
             llm_kwargs.setdefault("kv_cache_memory_bytes", kv_bytes)
+
             from vllm.v1.sample import sampler
             f = sampler.batched_count_greater_than
-            sampler.batched_count_greater_than = getattr(f, "_torchdynamo_orig_callable", f)
-        # reloads warn for what they did not get (RoPE's cos/sin cache; with LoRA, unchanged layers)
+            eager = getattr(f, "_torchdynamo_orig_callable", f)
+            sampler.batched_count_greater_than = eager
+
+        # reloads warn for what they did not get (RoPE's cos/sin cache; with LoRA,
+        # the unchanged layers)
         noise = ("Failed to load weights", "were not loaded")
         for reload in ("layerwise", "inplace"):
-            logger = logging.getLogger(f"vllm.model_executor.model_loader.reload.{reload}")
-            logger.addFilter(lambda record: not any(s in record.getMessage() for s in noise))
-        if distributed is None:  # vLLM alone also initialises a 1-process group
-            distributed = dist.is_initialized() and dist.get_world_size() > 1
-        mp = llm_kwargs.get("distributed_executor_backend") == "mp"
-        if tensor_parallel_size > 1 and not distributed and not mp:
-            raise ValueError("tensor_parallel_size > 1 needs torchrun (one shard per rank, external_launcher)")
-        if distributed and tensor_parallel_size > 1:
-            tp = tensor_parallel_size  # every rank creates every group, then keeps its own
-            groups = [dist.new_group(list(range(g, g + tp))) for g in range(0, dist.get_world_size(), tp)]
-            self.tp_group = groups[dist.get_rank() // tp]
-            self.tp_rank = dist.get_rank() % tp
-        if distributed:
-            llm_kwargs["distributed_executor_backend"] = "external_launcher"
-        llm_kwargs.setdefault("enforce_eager", not torch.cuda.is_available())  # faster start-up
+            name = f"vllm.model_executor.model_loader.reload.{reload}"
+            logger = logging.getLogger(name)
+            logger.addFilter(lambda r: not any(s in r.getMessage() for s in noise))
+
+        self._join_ranks(distributed, tensor_parallel_size, llm_kwargs)
+        # faster start-up
+        llm_kwargs.setdefault("enforce_eager", not torch.cuda.is_available())
         llm_kwargs.setdefault("use_tqdm_on_load", False)
         self.seed = seed
+
         threads = torch.get_num_threads()
         set_num_threads = torch.set_num_threads
-        gc.freeze()  # spares our heap vLLM's start-up collections (it freezes its own after)
-        with private_rng(seed):  # LLM(seed=) reseeds the global RNGs: keep ours
-            self.llm = LLM(model=model_path, seed=seed, dtype=dtype, max_model_len=max_model_len,
+        # spares our heap vLLM's start-up collections (it freezes its own after)
+        gc.freeze()
+        # LLM(seed=) reseeds the global RNGs: keep ours
+        with private_rng(seed):
+            self.llm = LLM(model=model_path, seed=seed, dtype=dtype,
+                           max_model_len=max_model_len,
                            gpu_memory_utilization=gpu_memory_utilization,
                            tensor_parallel_size=tensor_parallel_size,
                            logprobs_mode="processed_logprobs", **llm_kwargs)
-        # vLLM's CPU worker sets 1 torch thread and no-ops torch.set_num_threads: undo both
+        # vLLM's CPU worker sets 1 torch thread and no-ops torch.set_num_threads:
+        # undo both
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(threads)
+
         self.tokenizer = self.llm.get_tokenizer()
         self.pad_id = pad_id(self.tokenizer)
+
+    def _join_ranks(self, distributed, tensor_parallel_size, llm_kwargs):
+        """Under torchrun: one engine per rank, or per tensor-parallel group of ranks.
+
+        Sets llm_kwargs' executor and this engine's group (simplification 3).
+        """
+        # vLLM alone also initialises a 1-process group
+        if distributed is None:
+            distributed = dist.is_initialized() and dist.get_world_size() > 1
+
+        mp = llm_kwargs.get("distributed_executor_backend") == "mp"
+        if tensor_parallel_size > 1 and not distributed and not mp:
+            raise ValueError("tensor_parallel_size > 1 needs torchrun "
+                             "(one shard per rank, external_launcher)")
+
+        # every rank creates every group, then keeps its own
+        if distributed and tensor_parallel_size > 1:
+            tp = tensor_parallel_size
+            firsts = range(0, dist.get_world_size(), tp)
+            groups = [dist.new_group(list(range(g, g + tp))) for g in firsts]
+            self.tp_group = groups[dist.get_rank() // tp]
+            self.tp_rank = dist.get_rank() % tp
+
+        if distributed:
+            llm_kwargs["distributed_executor_backend"] = "external_launcher"
 
     def sample(self, prompt_ids, n, max_new_tokens, rng_seed, temperature=1.0, top_p=1.0,
                top_k=0, min_p=0.0, repetition_penalty=1.0):
         from vllm import SamplingParams, TokensPrompt
+
         params = SamplingParams(n=n, max_tokens=max_new_tokens, temperature=temperature,
                                 top_p=top_p, min_p=min_p, top_k=max(top_k or 0, 0),
-                                repetition_penalty=repetition_penalty, logprobs=0, detokenize=False)
+                                repetition_penalty=repetition_penalty, logprobs=0,
+                                detokenize=False)
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
         with private_rng(rng_seed):
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        samples = [s for out in outputs for s in sorted(out.outputs, key=lambda s: s.index)]
+
+        samples = [s for out in outputs
+                   for s in sorted(out.outputs, key=lambda s: s.index)]
         ids = [list(s.token_ids) for s in samples]
-        logps = [[step[tok].logprob for tok, step in zip(s.token_ids, s.logprobs)] for s in samples]
-        return ids, logps, [s.finish_reason == "stop" for s in samples]  # "stop": EOS, not length
+        logps = [[step[tok].logprob for tok, step in zip(s.token_ids, s.logprobs)]
+                 for s in samples]
+        # "stop": EOS, not length
+        finished = [s.finish_reason == "stop" for s in samples]
+        return ids, logps, finished
 
     def sync_weights(self, model):
         start = time.perf_counter()
+
         counter = {"bytes": 0}
-        weights = full_named_parameters(model, counter, self.llm.llm_engine.model_config.dtype)
+        dtype = self.llm.llm_engine.model_config.dtype
+        weights = full_named_parameters(model, counter, dtype)
         with torch.no_grad():
             reload = dict(weights_iterator=weights, is_checkpoint_format=True)
             self.llm.collective_rpc("reload_weights", kwargs=reload)
+
         self.llm.reset_prefix_cache()  # its KV entries came from the old weights
         return dict(seconds=time.perf_counter() - start, bytes=counter["bytes"])
 
     def close(self):
         if getattr(self, "llm", None) is not None:
-            self.llm.llm_engine.engine_core.shutdown()  # the default group too: simplification 6
+            # the default group too: simplification 6
+            self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
 
 
@@ -209,92 +339,133 @@ class HFEngine(Engine):
         self.seed = seed
         self.pad_id = pad_id(tokenizer)
         self.dtype = getattr(torch, str(dtype).removeprefix("torch."))
+
         eos = unwrap(model).generation_config.eos_token_id
-        self.eos_ids = sorted({tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos]) - {None})
+        if not isinstance(eos, list):
+            eos = [eos]
+        self.eos_ids = sorted({tokenizer.eos_token_id} | set(eos) - {None})
 
     @torch.no_grad()
     def sample(self, prompt_ids, n, max_new_tokens, rng_seed, temperature=1.0, **filters):
         model = unwrap(self.model)
         greedy = temperature == 0
         B = len(prompt_ids)
-        batch = sequence_batch(prompt_ids, torch.zeros(B, 0, dtype=torch.long), self.pad_id)
-        ids, mask, positions = (x.to(model.device) for x in batch)  # (B, P) x3, left-padded
-        rows = torch.arange(B, device=ids.device).repeat_interleave(n)  # (N,) each one's prompt
+        no_completions = torch.zeros(B, 0, dtype=torch.long)  # (B, 0)
+        batch = sequence_batch(prompt_ids, no_completions, self.pad_id)
+        # (B, P) x3, left-padded
+        ids, mask, positions = (x.to(model.device) for x in batch)
+        # (N,) each completion's prompt
+        rows = torch.arange(B, device=ids.device).repeat_interleave(n)
         eos = torch.tensor(self.eos_ids, device=ids.device)
-        synced = dist.is_initialized() and any(isinstance(p, DTensor) for p in model.parameters())
-        agree = all_ranks_ok if synced else bool  # FSDP2 all-gathers every forward: stop together
+
+        # FSDP2 all-gathers every forward: the ranks stop together
+        sharded = any(isinstance(p, DTensor) for p in model.parameters())
+        synced = dist.is_initialized() and sharded
+        if synced:
+            agree = all_ranks_ok
+        else:
+            agree = bool
+
         was_training = model.training
         tokens = []
         logps = []
         model.eval()
         enabled = self.dtype != torch.float32
-        with private_rng(rng_seed), torch.autocast(model.device.type, self.dtype, enabled):
+        autocast = torch.autocast(model.device.type, self.dtype, enabled)
+        with private_rng(rng_seed), autocast:
             # 1) prefill: each prompt once (HF generate would run it n times)
-            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                        logits_to_keep=1)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                        use_cache=True, logits_to_keep=1)
             logits = out.logits[rows, -1]  # (N, V)
+
             # 2) copy the KV cache to its n completions
             cache = out.past_key_values
             cache.batch_select_indices(rows)  # (B, ...) -> (N, ...) per layer
-            seen = torch.where(mask.bool(), ids, ids[:, -1:])[rows]  # (N, P) pads: a real token
+            # (N, P) the tokens so far, a real token in place of each pad
+            seen = torch.where(mask.bool(), ids, ids[:, -1:])[rows]
             mask = mask[rows]  # (N, P)
             last = positions[rows, -1:]  # (N, 1) the last prompt position
             done = torch.zeros_like(rows, dtype=torch.bool)  # (N,)
             lengths = torch.zeros_like(rows)  # (N,) tokens up to the first EOS
+
             # 3) decode one token a step for all N completions
             for t in itertools.count():
-                if t < max_new_tokens:  # under FSDP2 a rank past its last token steps on
-                    scores = process_logits(logits.float(), seen, temperature, **filters)  # (N, V)
-                    token = scores.argmax(-1) if greedy else scores.softmax(-1).multinomial(1)[:, 0]
+                # under FSDP2 a rank past its last token steps on
+                if t < max_new_tokens:
+                    scores = process_logits(logits.float(), seen, temperature,
+                                            **filters)  # (N, V)
+                    if greedy:
+                        token = scores.argmax(-1)
+                    else:
+                        token = scores.softmax(-1).multinomial(1)[:, 0]
                     token = token.masked_fill(done, self.pad_id)
                     tokens.append(token)
-                    logps.append(scores.log_softmax(-1).gather(1, token[:, None])[:, 0])  # (N,)
+                    logp = scores.log_softmax(-1).gather(1, token[:, None])[:, 0]  # (N,)
+                    logps.append(logp)
                     lengths = lengths + ~done
                     done = done | torch.isin(token, eos)
                     if filters.get("repetition_penalty", 1) != 1:
                         seen = torch.cat([seen, token[:, None]], 1)  # (N, S+1)
+
                 if agree(t + 1 >= max_new_tokens or bool(done.all())):
                     break
+
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)  # (N, P+t+1)
-                logits = model(input_ids=token[:, None], attention_mask=mask, past_key_values=cache,
-                               position_ids=last + t + 1, use_cache=True).logits[:, -1]  # (N, V)
+                logits = model(input_ids=token[:, None], attention_mask=mask,
+                               past_key_values=cache, position_ids=last + t + 1,
+                               use_cache=True).logits[:, -1]  # (N, V)
         model.train(was_training)
+
         lengths = lengths.tolist()
-        completions = [x[:k].tolist() for x, k in zip(torch.stack(tokens, 1).cpu(), lengths)]
-        logps = [x[:k].tolist() for x, k in zip(torch.stack(logps, 1).float().cpu(), lengths)]
+        tokens = torch.stack(tokens, 1).cpu()  # (N, steps)
+        logps = torch.stack(logps, 1).float().cpu()  # (N, steps)
+        completions = [x[:k].tolist() for x, k in zip(tokens, lengths)]
+        logps = [x[:k].tolist() for x, k in zip(logps, lengths)]
         return completions, logps, done.tolist()
 
     def sync_weights(self, model):
-        return dict(seconds=0.0, bytes=0)  # it samples with the trainer's own parameters
+        # it samples with the trainer's own parameters
+        return dict(seconds=0.0, bytes=0)
 
 
 def pick_engine(kind, model, tensor_parallel_size=1):
-    """--engine "auto" | "vllm" | "hf" -> ("vllm" or "hf", why in a few words). On a CPU vLLM's
-    per-step scheduling costs more than a small model's forward: the HF loop is faster below ~25M
-    parameters, vLLM from there on with long completions (docs/benchmarks.md: Rollouts)."""
+    """--engine "auto" | "vllm" | "hf" -> ("vllm" or "hf", why in a few words).
+
+    On a CPU, vLLM's per-step scheduling costs more than a small model's forward.
+    The HF loop is faster below ~25M parameters, vLLM from there on with long
+    completions (docs/benchmarks.md: Rollouts).
+    """
     if kind != "auto":
         return kind, "--engine " + kind
+
     n = sum(p.numel() for p in model.parameters()) / 1e6
     if torch.cuda.is_available():
         why = "auto: a GPU"
     elif tensor_parallel_size > 1:
         why = "auto: --vllm-tp"
     elif n < 25:
-        return "hf", f"auto: a CPU and {n:.2f}M params, where the HF loop is faster (< 25M)"
+        return "hf", (f"auto: a CPU and {n:.2f}M params, "
+                      f"where the HF loop is faster (< 25M)")
     else:
         why = f"auto: a CPU and {n:.0f}M params, where vLLM is faster (>= 25M)"
+
     try:
         import vllm  # noqa: F401
-    except Exception as e:  # ImportError, or a broken install (CUDA torchvision, CPU torch)
+    # ImportError, or a broken install (CUDA torchvision, CPU torch)
+    except Exception as e:
         return "hf", f"auto: vLLM unavailable ({type(e).__name__}: {e})"
     return "vllm", why
 
 
-def make_engine(kind, *, model, tokenizer, model_path, seed=0, dtype="float32", **vllm_kwargs):
-    """"vllm": VLLMEngine(model_path, ...), "hf": HFEngine(model, tokenizer, ...). The client of a
-    rollout server is server.RemoteEngine."""
+def make_engine(kind, *, model, tokenizer, model_path, seed=0, dtype="float32",
+                **vllm_kwargs):
+    """"vllm": VLLMEngine(model_path, ...), "hf": HFEngine(model, tokenizer, ...).
+
+    The client of a rollout server is server.RemoteEngine.
+    """
     if kind == "vllm":
         return VLLMEngine(model_path, seed=seed, dtype=dtype, **vllm_kwargs)
     if kind != "hf":
-        raise ValueError(f"engine kind must be 'vllm' or 'hf' (pick_engine), got {kind!r}")
+        raise ValueError(f"engine kind must be 'vllm' or 'hf' (pick_engine), "
+                         f"got {kind!r}")
     return HFEngine(model, tokenizer, seed=seed, dtype=dtype)

@@ -1,37 +1,50 @@
 """
-GRPO (Group Relative Policy Optimization, DeepSeekMath arXiv:2402.03300, as in DeepSeek-R1): for each
-prompt sample G completions, score them with rule rewards, and push up the log-probability of the
-completions that beat their group's mean, with a PPO-style clipped ratio and an optional KL penalty:
+GRPO (Group Relative Policy Optimization, DeepSeekMath arXiv:2402.03300, as in
+DeepSeek-R1). For each prompt, sample G completions and score them with rule
+rewards. Then push up the log-probability of the completions that beat their
+group's mean, with a PPO-style clipped ratio and an optional KL penalty:
 
     A_i = (r_i - mean(r_group)) / std(r_group)
-    L   = -mean_t min(rho_t A_i, clip(rho_t, 1-eps_low, 1+eps_high) A_i) + beta * KL_k3(pi || pi_ref)
+    L   = -mean_t min(rho_t A_i, clip(rho_t, 1-eps_low, 1+eps_high) A_i)
+          + beta * KL_k3(pi || pi_ref)
 
-Run (no GPU, no network: a tiny model and the built-in "sort the digits" task, see task.py):
+Run (no GPU, no network: a tiny model and the built-in "sort the digits" task,
+see task.py):
     python train.py                                            # 1 process
-    torchrun --standalone --nproc_per_node 2 train.py --G 8    # 2 ranks (gloo on CPU, nccl on GPUs)
+    torchrun --standalone --nproc_per_node 2 train.py --G 8    # 2 ranks
     python plot.py out                                         # re-draw out/metrics.png
-A hub model on GSM8K, 8 GPUs (README: the GPU recipe):
-    torchrun --nproc_per_node 8 train.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset openai/gsm8k \\
-        --dataset-config main --prompt-column question --solution-column answer
+(gloo on CPU, nccl on GPUs.) A hub model on GSM8K, 8 GPUs (README: the GPU
+recipe):
+    torchrun --nproc_per_node 8 train.py --model Qwen/Qwen2.5-1.5B-Instruct \\
+        --dataset openai/gsm8k --dataset-config main \\
+        --prompt-column question --solution-column answer
 
-Every knob is a flag in config.py (`python train.py --help`); None takes config.defaults' recipe.
-The stages: rollout.py (sample) -> reward.py (score) -> advantage.py (group z-score) -> loss.py
-(PPO-clip loss; kernels/ on GPUs) -> rollout.py (sync weights). model.py holds the forward,
-data.py the prompts, checkpoint.py saving and resuming.
+Every knob is a flag in config.py (`python train.py --help`); None takes
+config.defaults' recipe. The stages:
+    rollout.py (sample) -> reward.py (score) -> advantage.py (group z-score)
+    -> batch.py (old and reference log-probs, masks) -> loss.py (PPO-clip
+    loss; kernels/ on GPUs) -> rollout.py (sync weights).
+model.py holds the forward, data.py the prompts, checkpoint.py saving and
+resuming, metrics.py the logged numbers.
 
 Simplifications (each is a choice, not an accident):
-1. Rollouts run in the training process (vLLM colocated, or rollout.HFEngine). Each rank samples its
-   own share of prompts, and the G completions of a prompt stay on one rank. Rewards are all-gathered
-   (they are tiny), so advantages and the logged numbers are over the whole batch.
-2. old_logps are recomputed by the trainer only when the update can go off-policy (mu > 1, several
-   minibatches, or --is-correction); otherwise the ratio is exactly 1 and only its
-   gradient matters (clipping never fires, as in nanochat's chat_rl.py). --async: the sampler's.
-3. The reference model (beta > 0) is the initial policy, frozen (LoRA: the policy, adapters off).
-   The LR schedule is a linear warmup, then a cosine to lr/10 over all optimizer steps.
-4. A checkpoint holds everything a bit-exact resume needs (checkpoint.py); the data order is a pure
-   function of seed and prompts consumed (--prompts-per-step a step; more with --dynamic-sampling).
-5. Mixed precision: --dtype is the compute dtype (autocast); the policy and AdamW stay fp32, the
-   reference and the rollout engine hold --dtype weights (model.py).
+1. Rollouts run in the training process (vLLM colocated, or rollout.HFEngine).
+   Each rank samples its own share of prompts, and the G completions of a
+   prompt stay on one rank. Rewards are all-gathered (they are tiny), so
+   advantages and the logged numbers are over the whole batch.
+2. old_logps are recomputed by the trainer only when the update can go
+   off-policy: mu > 1, several minibatches, or --is-correction. Otherwise the
+   ratio is exactly 1 and only its gradient matters: clipping never fires, as
+   in nanochat's chat_rl.py. With --async they are the sampler's.
+3. The reference model (beta > 0) is the initial policy, frozen (LoRA: the
+   policy with its adapters off). The LR schedule is a linear warmup, then a
+   cosine to lr/10 over all optimizer steps.
+4. A checkpoint holds everything a bit-exact resume needs (checkpoint.py). The
+   data order is a pure function of the seed and the prompts consumed
+   (--prompts-per-step a step; more with --dynamic-sampling).
+5. Mixed precision: --dtype is the compute dtype (autocast). The policy and
+   AdamW stay fp32; the reference and the rollout engine hold --dtype weights
+   (model.py).
 """
 import json
 import math
@@ -57,25 +70,32 @@ import config
 import data
 import task
 from advantage import compute_advantages, dynamic_sampling
-from common import (barrier, ddp, fail, in_background, mark, master, print0, rank, require,
-                    result_everywhere, seed_all, setup, startup_line, step_line, world)
+from batch import UpdateBatch, high_entropy_mask, policy_entropies, unique_rows
+from common import (barrier, ddp, fail, in_background, mark, master, print0, rank,
+                    require, result_everywhere, seed_all, setup, startup_line, step_line,
+                    world)
 from lora import lora_config
-from loss import choose_impl, loss_options, minibatch_tokens, policy_loss, step_masks, step_metrics
-from reduction import unique_rows
-from model import (completion_logits, load_model, load_reference, load_tokenizer,
+from loss import LossSettings, choose_impl, policy_loss
+from metrics import step_metrics
+from model import (completion_logits, load_model, load_reference, load_tokenizer, pad_id,
                    prompt_batch, sequence_logps, wrap_ddp)
+from reduction import kept_mask, minibatch_tokens
 from reward import get_reward_funcs, pass_at_k, score
-from rollout import make_engine, pad_id, pick_engine
+from rollout import make_engine, pick_engine
 from server import RemoteEngine
 from tools import tool_metrics, with_tools
 
 # -----------------------------------------------------------------------------
 # The flags (config.py), then the rules between them, before any heavy work
 args = config.parse_args()
-run_config = checkpoint.run_config(args, world)  # as the user gave them: before the recipe fills in
+# the flags as the user gave them: before the recipe fills in
+run_config = checkpoint.run_config(args, world)
 config.fill_defaults(args)
 config.check_flags(args)  # one clear line each, the same verdict on every rank
-eval_k = sorted(set(args.eval_k or [1, args.eval_samples])) if args.eval_samples else []
+config.resolve_aliases(args)  # --tis-cap C: --is-correction token_truncate --is-max C
+eval_k = []  # pass@k for these k (--eval-samples)
+if args.eval_samples:
+    eval_k = sorted(set(args.eval_k or [1, args.eval_samples]))
 builtin_task = args.dataset is None
 tiny = args.model is None
 n_local = args.prompts_per_step // world * args.G  # completions per rank per step
@@ -87,18 +107,49 @@ device, dtype = setup(args.threads, args.dtype)
 try:
     reward_funcs = get_reward_funcs(args.rewards)
     (eval_func,) = get_reward_funcs([args.eval_reward])
-    checkpoint.check_out_dir(args.out_dir)  # one run per out-dir: locked until it ends (or dies)
-    resume_from, saved = checkpoint.resume_point(args.out_dir, args.resume, run_config, log=print0)
+    # one run per out-dir: locked until it ends (or dies)
+    checkpoint.check_out_dir(args.out_dir)
+    resume_from, saved = checkpoint.resume_point(args.out_dir, args.resume, run_config,
+                                                 log=print0)
 except ValueError as e:
     fail(str(e))
-wandb = args.wandb and require("wandb", "--wandb needs the wandb package: pip install wandb")
+wandb = None
+if args.wandb:
+    wandb = require("wandb", "--wandb needs the wandb package: pip install wandb")
 
 # -----------------------------------------------------------------------------
 # Setup: data, model, reference, optimizer, rollout engine, the resumed state
 loss_impl, loss_why = choose_impl(args.loss_impl, device, args.importance_sampling_level)
-init_path = os.path.join(args.out_dir, "init_model") if tiny else args.model  # the reference
-model_path = os.path.join(resume_from, "model") if resume_from else init_path  # the policy now
-if tiny and not resume_from and master:  # rank 0 builds the tiny model; every rank and vLLM load it
+# the loss's hyperparameters, the same for every micro-batch: each is the flag
+# of its name
+loss_settings = LossSettings(
+    loss_type=args.loss_type,
+    epsilon_low=args.epsilon_low,
+    epsilon_high=args.epsilon_high,
+    beta=args.beta,
+    kl_bias_correction=args.kl_bias_correction,
+    sapo_tau_pos=args.sapo_tau[0],
+    sapo_tau_neg=args.sapo_tau[1],
+    entropy_coef=args.entropy_coef,
+    temperature=args.temperature,
+    importance_sampling_level=args.importance_sampling_level,
+    is_correction=args.is_correction,
+    is_min=args.is_min,
+    is_max=args.is_max,
+    off_policy_mask=args.off_policy_mask,
+    max_completion_length=args.max_new_tokens,
+    impl=loss_impl,
+)
+
+# the initial model, which the reference is; and the policy now
+init_path = args.model
+if tiny:
+    init_path = os.path.join(args.out_dir, "init_model")
+model_path = init_path
+if resume_from:
+    model_path = os.path.join(resume_from, "model")
+# rank 0 builds the tiny model; every rank and vLLM load it
+if tiny and not resume_from and master:
     task.save_tiny_model(model_path, seed=args.seed)
 barrier()
 try:
@@ -107,30 +158,38 @@ try:
         args.dataset, digits=args.task_digits, eval_size=args.eval_size, seed=args.seed,
         config=args.dataset_config, split=args.split, eval_split=args.eval_split,
         prompt_column=args.prompt_column, solution_column=args.solution_column)
-    prompt_limit = data.prompt_limit(args.max_prompt_len, args.max_new_tokens, context_len)
+    prompt_limit = data.prompt_limit(args.max_prompt_len, args.max_new_tokens,
+                                     context_len)
     # the built-in task's prompts stay raw; a dataset's go through the chat template
-    prepare = dict(system_prompt=args.system_prompt, max_len=prompt_limit, raw=builtin_task,
-                   log=print0)
+    prepare = dict(system_prompt=args.system_prompt, max_len=prompt_limit,
+                   raw=builtin_task, log=print0)
     train_rows, train_ids, conversational = data.prepare_prompts(
         tokenizer, train_rows, what="train", min_rows=1, **prepare)
     eval_rows, eval_ids, _ = data.prepare_prompts(
         tokenizer, eval_rows, what="held-out", min_rows=world, **prepare)
     mark("imports, data")
     seed_all(args.seed + rank)
-    # LoRA trains adapters on the initial model (a resume loads its adapter: checkpoint.restore)
-    raw_model = load_model(init_path if args.lora_rank else model_path, dtype, device, args.fsdp,
-                           lora_config(args))
+    # LoRA trains adapters on the initial model (a resume loads its adapter:
+    # checkpoint.restore)
+    lora = lora_config(args.lora_rank, args.lora_alpha, args.lora_dropout,
+                       args.lora_targets)
+    policy_path = init_path if args.lora_rank else model_path
+    raw_model = load_model(policy_path, dtype, device, args.fsdp, lora)
 except (ValueError, FileNotFoundError) as e:
     fail(str(e))
 ref_model = None
 if args.beta > 0:  # simplification 3
     ref_model = load_reference(raw_model, init_path, dtype, device, args.fsdp)
-model = wrap_ddp(raw_model, device) if ddp and not args.fsdp else raw_model
-trained = [p for p in raw_model.parameters() if p.requires_grad]  # LoRA: the adapters only
+model = raw_model  # what the forwards call: DDP's wrapper, or FSDP2's sharded model
+if ddp and not args.fsdp:
+    model = wrap_ddp(raw_model, device)
+# LoRA: the adapters only
+trained = [p for p in raw_model.parameters() if p.requires_grad]
 # fused: one kernel for all tensors, not a loop of small ops (FSDP2's DTensors: the loop)
 optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
                               fused=not args.fsdp)
 mark("models")
+
 engine_kind, engine_why = pick_engine(args.engine, raw_model, args.vllm_tp)
 if args.vllm_mode == "server":
     engine = RemoteEngine(args.vllm_url, tokenizer, seed=args.seed + rank)
@@ -138,53 +197,82 @@ if args.vllm_mode == "server":
 else:
     try:
         engine = make_engine(
-            engine_kind, model=raw_model, tokenizer=tokenizer, model_path=model_path,
-            seed=args.seed + rank // args.vllm_tp,  # a tensor-parallel group samples as one engine
-            dtype=str(dtype).removeprefix("torch."), gpu_memory_utilization=args.vllm_memory,
-            max_model_len=prompt_limit + args.max_new_tokens, tensor_parallel_size=args.vllm_tp)
+            engine_kind,
+            model=raw_model,
+            tokenizer=tokenizer,
+            model_path=model_path,
+            # a tensor-parallel group samples as one engine
+            seed=args.seed + rank // args.vllm_tp,
+            dtype=str(dtype).removeprefix("torch."),
+            gpu_memory_utilization=args.vllm_memory,
+            max_model_len=prompt_limit + args.max_new_tokens,
+            tensor_parallel_size=args.vllm_tp,
+        )
     except ImportError as e:
         fail(f"--engine {args.engine}: vLLM is not installed ({e}); pip install -r "
              f"requirements-cpu.txt, or use --engine hf")
-engine = with_tools(engine, tokenizer, args)  # --tools python: ToRL's tool loop (tools.py)
-start_step, opt_step = 0, 0
+# --tools python: ToRL's tool loop (tools.py)
+engine = with_tools(engine, tokenizer, args.tools, args.max_tool_calls,
+                    args.tool_output_tokens)
+
+start_step = 0
+opt_step = 0
 consumed = 0  # prompts drawn so far (data.batch_indices)
 ahead = None  # --async: the next batch, sampled while this step trains
 if resume_from:  # RNG states last: the engine's start-up reseeds torch
     start_step, opt_step, consumed, ahead = checkpoint.restore(
         resume_from, saved, raw_model, optimizer, engine, device)
-    print0(f"resuming from {resume_from} (step {start_step}); another --out-dir starts a new run")
-if args.vllm_mode == "server":  # the server may hold other weights (a restart, a resumed run)
-    engine.sync_weights(model, version=start_step)  # the weights after start_step updates
+    print0(f"resuming from {resume_from} (step {start_step}); "
+           f"another --out-dir starts a new run")
+# the server may hold other weights (a restart, a resumed run): send the
+# weights after start_step updates
+if args.vllm_mode == "server":
+    engine.sync_weights(model, version=start_step)
 mark("engine")
-n_params, n_trained = (sum(p.numel() for p in ps) / 1e6 for ps in (raw_model.parameters(), trained))
+
+n_params = sum(p.numel() for p in raw_model.parameters()) / 1e6
+n_trained = sum(p.numel() for p in trained) / 1e6
 print0(f"engine {type(engine).__name__} ({engine_why}), {world} rank(s) x "
-       f"{torch.get_num_threads()} thread(s), device {device}, loss {loss_impl} ({loss_why}), "
-       f"{n_params:.2f}M params ({n_trained:.3g}M trained), {len(train_rows)} train prompts")
-wandb_run = wandb.init(project=args.wandb, config=vars(args)) if wandb and master else None
-# the loss's hyperparameters: the same for every micro-batch
-loss_hparams = loss_options(args, loss_impl)
+       f"{torch.get_num_threads()} thread(s), device {device}, "
+       f"loss {loss_impl} ({loss_why}), {n_params:.2f}M params "
+       f"({n_trained:.3g}M trained), {len(train_rows)} train prompts")
+wandb_run = None
+if wandb and master:
+    wandb_run = wandb.init(project=args.wandb, config=vars(args))
 
 
 def sample(consumed):
-    """-> this rank's share of the next prompts (a row per completion), their G completions each,
-    the server's weight version (None off server mode), seconds."""
+    """This rank's share of the next prompts, and G completions of each.
+
+    -> (the rows, one per completion; the rollout; the server's weight version,
+    None off server mode; seconds).
+    """
     t0 = time.time()
-    idx = data.batch_indices(len(train_rows), consumed, args.prompts_per_step, rank, world,
-                             args.seed)
+    idx = data.batch_indices(len(train_rows), consumed, args.prompts_per_step, rank,
+                             world, args.seed)
     prompt_ids = [train_ids[i] for i in idx]
+
     rollout = engine.generate(prompt_ids, args.G, args.max_new_tokens,
                               temperature=args.temperature, top_p=args.top_p)
+
     rows = [train_rows[i] for i in idx for _ in range(args.G)]
     return rows, rollout, getattr(engine, "weight_version", None), time.time() - t0
 
 
 @torch.no_grad()
 def evaluate():
-    """Held-out accuracy over all ranks, greedy (temperature 0) and sampled (the mean of n =
-    --eval-samples or 1 per prompt), and pass@k of those n (a completion passes at reward >= 1)."""
-    rows, ids, n = eval_rows[rank::world], eval_ids[rank::world], args.eval_samples or 1
+    """Held-out accuracy over all ranks, greedy and sampled, and pass@k.
 
-    def rewards(temperature, g):  # (prompts, g): the eval reward of g completions per prompt
+    Greedy is temperature 0. Sampled is the mean of n = --eval-samples (or 1)
+    completions per prompt, and pass@k is over those n: a completion passes at
+    reward >= 1.
+    """
+    rows = eval_rows[rank::world]  # this rank's share
+    ids = eval_ids[rank::world]
+    n = args.eval_samples or 1
+
+    def rewards(temperature, g):
+        """(prompts, g): the eval reward of g completions per prompt."""
         rollout = engine.generate(ids, g, args.max_new_tokens, temperature=temperature,
                                   top_p=args.top_p)
         rows_g = [r for r in rows for _ in range(g)]
@@ -193,26 +281,131 @@ def evaluate():
 
     greedy = rewards(0.0, 1)  # (prompts, 1)
     sampled = rewards(args.temperature, n)  # (prompts, n)
-    passes = [sum(pass_at_k(n, int(c), k) for c in (sampled >= 1).sum(1)) for k in eval_k]
+    correct = (sampled >= 1).sum(1)  # (prompts,) of the n
+    passes = [sum(pass_at_k(n, int(c), k) for c in correct) for k in eval_k]
+
     # sums over this rank's prompts, then the count
-    totals = torch.tensor([greedy.sum(), sampled.mean(1).sum(), *passes, len(rows)], device=device)
+    sums = [greedy.sum(), sampled.mean(1).sum(), *passes, len(rows)]
+    totals = torch.tensor(sums, device=device)
     if ddp:
         dist.all_reduce(totals)
+
     means = (totals[:-1] / totals[-1]).tolist()
-    return dict(eval_greedy=means[0], eval_sampled=means[1],
-                **{f"pass@{k}": p for k, p in zip(eval_k, means[2:])})
+    result = dict(eval_greedy=means[0], eval_sampled=means[1])
+    for k, p in zip(eval_k, means[2:]):
+        result[f"pass@{k}"] = p
+    return result
 
 
 def cosine_lr(it, total, lr, warmup):
-    """Linear warmup over `warmup` optimizer steps, then a cosine from lr to lr/10 at step `total`."""
+    """Linear warmup over `warmup` optimizer steps, then a cosine from lr to
+    lr/10 at step `total`."""
     if it < warmup:
         return lr * (it + 1) / warmup
     progress = (it - warmup) / max(1, total - warmup)
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def rows_of(x, r):  # a micro-batch's rows of an optional (N, T) tensor
-    return None if x is None else x[r]
+def prepare_update(rollout, prompts, advantages):
+    """-> (UpdateBatch: the step's N rows on the device, as the loss sees them;
+    (n,) the rows to train).
+
+    Old and reference log-probs, the step's masks and the distinct rows, each
+    only where a flag asks for it. prompts: model.prompt_batch's, on the device.
+    """
+    completion_ids = rollout.completion_ids.to(device)  # (N, T)
+    completion_mask = rollout.completion_mask.to(device).float()  # (N, T)
+    sampling_logps = rollout.sampling_logps.to(device)  # (N, T)
+    N = completion_ids.shape[0]
+    by_micro = dict(temperature=args.temperature, micro=micro, dtype=dtype)
+
+    # the ratio's denominator; None: on-policy, the ratio is 1 (simplification 2)
+    is_corrected = loss_settings.is_correction != "off"  # against the sampler's log-probs
+    old_logps = None  # (N, T)
+    if args.async_ and not is_corrected:  # the behaviour policy's (README: --async)
+        old_logps = sampling_logps
+    elif args.num_iterations > 1 or minibatch < N or is_corrected:  # off-policy
+        old_logps = sequence_logps(raw_model, prompts, completion_ids, **by_micro)
+
+    ref_logps = None  # (N, T)
+    if ref_model is not None:
+        ref_logps = sequence_logps(ref_model, prompts, completion_ids, **by_micro)
+
+    # the step's masks: the truncated completions, the high-entropy tokens of all ranks
+    truncated = None  # (N,)
+    if args.mask_truncated:
+        truncated = ~rollout.is_finished.to(device)
+    high_entropy = None  # (N, T)
+    if args.top_entropy_quantile < 1:
+        # (N, T) from the policy before this update
+        entropies = policy_entropies(raw_model, prompts, completion_ids, **by_micro)
+        kept = kept_mask(completion_mask, truncated)  # (N, T)
+        high_entropy = high_entropy_mask(entropies, kept, args.top_entropy_quantile)
+
+    # one row of each set of identical completions, weighed by its count. Only
+    # with one forward a step: ranks could run unequal numbers of forwards, each
+    # a collective under DDP and FSDP2. And not where the sampler's per-row
+    # log-probs enter the loss.
+    trained = torch.arange(N, device=device)  # (n,)
+    counts = None  # (N,)
+    uses_sampler = args.async_ or is_corrected or args.off_policy_mask is not None
+    if micro == N and not uses_sampler:
+        trained, trained_counts = unique_rows(prompts[3], completion_ids, completion_mask,
+                                              advantages)
+        counts = torch.zeros(N, device=device)
+        counts[trained] = trained_counts
+
+    batch = UpdateBatch(
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        advantages=advantages,
+        sampling_logps=sampling_logps,
+        old_logps=old_logps,
+        ref_logps=ref_logps,
+        truncated=truncated,
+        high_entropy=high_entropy,
+        counts=counts,
+    )
+    return batch, trained
+
+
+def backward_micro(batch, prompts, rows, minibatch_tokens, last):
+    """Forward, loss and backward of one micro-batch (its rows of batch) -> metrics."""
+    # reduce gradients once per minibatch, after its last micro-batch (nanoGPT's trick)
+    if args.fsdp:
+        raw_model.set_requires_gradient_sync(last)
+    elif ddp:
+        model.require_backward_grad_sync = last
+
+    micro_batch = batch.rows(rows)
+    ids = micro_batch.completion_ids  # (n, T)
+    logits = completion_logits(model, prompts, rows, ids, dtype)  # (n, T, V)
+    loss, metrics = policy_loss(logits, micro_batch, loss_settings, minibatch_size=minibatch,
+                                minibatch_tokens=minibatch_tokens)
+    loss.backward()
+    return metrics
+
+
+def optimizer_step(step):
+    """Clip the minibatch's gradient and apply it -> the norm before clipping.
+
+    A non-finite norm ends the run before the weights change.
+    """
+    max_norm = args.grad_clip or math.inf
+    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), max_norm)
+    if isinstance(grad_norm, DTensor):
+        grad_norm = grad_norm.full_tensor()
+
+    # the same verdict on every rank: the gradients are all-reduced
+    if not torch.isfinite(grad_norm):
+        last, _ = checkpoint.find(ckpt_root)
+        fail(f"non-finite loss or gradient at step {step} "
+             f"(grad norm {grad_norm.item()}); weights left unchanged; "
+             f"last good checkpoint: {last or 'none'}. Lower --lr or check rewards")
+
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
 
 
 # -----------------------------------------------------------------------------
@@ -220,7 +413,8 @@ def rows_of(x, r):  # a micro-batch's rows of an optional (N, T) tensor
 metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
 metrics_file = None
 if master:
-    metrics_file = checkpoint.open_metrics(metrics_path, start_step if resume_from else None)
+    append_after = start_step if resume_from else None  # a resume keeps the steps before
+    metrics_file = checkpoint.open_metrics(metrics_path, append_after)
 if not resume_from:
     record = dict(step=0, **evaluate())
     print0(step_line(record))
@@ -228,35 +422,37 @@ if not resume_from:
         metrics_file.write(json.dumps(record) + "\n")
     mark("first evaluation")
 print0(startup_line(t_launch))
+
 opt_steps_total = args.steps * args.num_iterations * (n_local // minibatch)
 t_start = time.time()
 bar = tqdm(range(start_step + 1, args.steps + 1), initial=start_step, total=args.steps,
            disable=not master, dynamic_ncols=True)
 for step in bar:
     times = dict(rollout=0.0, reward=0.0)
-    # 1) sample G completions for each of this rank's next prompts and score them. --async: the
-    #    batch was sampled while the last step trained. --dynamic-sampling: drop the groups of equal
-    #    rewards and draw more rounds until each rank holds its share of others (advantage.py)
+
+    # 1) sample G completions for each of this rank's next prompts and score
+    #    them. --async: the batch was sampled while the last step trained.
+    #    --dynamic-sampling: drop the groups of equal rewards and draw more
+    #    rounds until each rank holds its share of others (advantage.py).
     rounds = []
-    batch = None
-    while batch is None:
+    sampled = None
+    while sampled is None:
         rows, rollout, sampler_version, seconds = ahead or sample(consumed)
         consumed += args.prompts_per_step
         ahead = None
         t1 = time.time()
-        if args.async_ and step < args.steps:  # ask for the next batch now, score and train meanwhile
+        # --async: ask for the next batch now, score and train meanwhile
+        if args.async_ and step < args.steps:
             ahead = in_background(sample, consumed)
-        rewards = score(reward_funcs, rows, rollout, conversational, args.reward_timeout)  # (N, F)
+        rewards = score(reward_funcs, rows, rollout, conversational,
+                        args.reward_timeout)  # (N, F)
         rounds.append((rows, rollout, rewards))
         times["rollout"] += seconds
         times["reward"] += time.time() - t1
-        batch = dynamic_sampling(rounds, args.dynamic_sampling, args.G, args.reward_weights,
-                                 pad_id(tokenizer))
-    (rows, rollout, rewards), sampling_stats = batch
-    completion_ids = rollout.completion_ids.to(device)  # (N, T)
-    completion_mask = rollout.completion_mask.to(device).float()  # (N, T)
-    sampling_logps = rollout.sampling_logps.to(device)  # (N, T)
-    N, T = completion_ids.shape
+        sampled = dynamic_sampling(rounds, args.dynamic_sampling, args.G,
+                                   args.reward_weights, pad_id(tokenizer))
+    (rows, rollout, rewards), sampling_stats = sampled
+    N = rollout.completion_ids.shape[0]
 
     # 2) rewards (N, F), gathered from every rank -> group-relative advantages (N,)
     t0 = time.time()
@@ -265,73 +461,39 @@ for step in bar:
         gathered = [torch.empty_like(rewards) for _ in range(world)]
         dist.all_gather(gathered, rewards)
         rewards = torch.cat(gathered)  # (world*N, F)
-    advantages, reward_stats = compute_advantages(rewards.cpu(), args.reward_weights, args.G,
-                                                  args.scale_rewards)
+    advantages, reward_stats = compute_advantages(rewards.cpu(), args.reward_weights,
+                                                  args.G, args.scale_rewards)
     advantages = advantages[rank * N:(rank + 1) * N].to(device)  # (N,) this rank's slice
     for f, fn in enumerate(reward_funcs):  # "reward/0" -> "reward/exact_match_reward"
         name = getattr(fn, "__name__", args.rewards[f])
         reward_stats[f"reward/{name}"] = reward_stats.pop(f"reward/{f}")
     times["reward"] += time.time() - t0
 
-    # 3) mu passes of minibatch updates
+    # 3) mu passes of minibatch updates, micro-batch by micro-batch
     t0 = time.time()
     # (B, P) x3 and (N,): the distinct prompts, left-padded (model.prompt_batch)
     prompts = [x.to(device) for x in prompt_batch(rollout.prompt_ids, pad_id(tokenizer))]
     model.eval()  # no dropout: the ratio must compare the same function
-    by_micro = dict(temperature=args.temperature, micro=micro, dtype=dtype)
-    is_corrected = loss_hparams["is_correction"] != "off"  # against the sampler's log-probs
-    old_logps = None  # (N, T), None: on-policy, the ratio is 1 (simplification 2)
-    if args.async_ and not is_corrected:  # the behaviour policy's (README: --async)
-        old_logps = sampling_logps
-    elif args.num_iterations > 1 or minibatch < N or is_corrected:  # off-policy
-        old_logps = sequence_logps(raw_model, prompts, completion_ids, **by_micro)
-    ref_logps = None  # (N, T)
-    if ref_model is not None:
-        ref_logps = sequence_logps(ref_model, prompts, completion_ids, **by_micro)
-    # (N,) truncated, (N, T) high-entropy tokens over all ranks: only for the flags that ask
-    masks = step_masks(args, raw_model, prompts, rollout, **by_micro)
-    # one row of each set of identical completions, weighed by its size (reduction.unique_rows)
-    keep, counts = torch.arange(N, device=device), None  # (n,) the rows trained, (n,) their weights
-    if micro == N and not (args.async_ or is_corrected or args.off_policy_mask is not None):
-        keep, counts = unique_rows(prompts[3], completion_ids, completion_mask, advantages)
-    micro_metrics, grad_norms = [], []
+    # (N, ...) the step's rows; (n,) the ones to train
+    batch, trained = prepare_update(rollout, prompts, advantages)
+
+    micro_metrics = []
+    grad_norms = []
     for _ in range(args.num_iterations):
         for mb in range(0, N, minibatch):
-            for g in optimizer.param_groups:
-                g["lr"] = cosine_lr(opt_step, opt_steps_total, args.lr, args.warmup_steps)
+            lr = cosine_lr(opt_step, opt_steps_total, args.lr, args.warmup_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
             # all ranks' unmasked tokens / ranks: DDP averages the gradients
-            truncated = rows_of(masks.get("truncated"), slice(mb, mb + minibatch))  # (minibatch,)
-            mb_tokens = minibatch_tokens(completion_mask[mb:mb + minibatch], truncated)
-            mb_rows = keep[mb:mb + minibatch]  # (m,) the minibatch's rows (or the distinct ones)
-            for mc in range(0, len(mb_rows), micro):
-                r = mb_rows[mc:mc + micro]  # (n,) this micro-batch's rows
-                # reduce gradients once per minibatch (nanoGPT's trick)
-                last_micro = mc + micro >= len(mb_rows)
-                if args.fsdp:
-                    raw_model.set_requires_gradient_sync(last_micro)
-                elif ddp:
-                    model.require_backward_grad_sync = last_micro
-                logits = completion_logits(model, prompts, r, completion_ids[r], dtype)  # (n, T, V)
-                loss, metrics = policy_loss(
-                    logits, completion_ids[r], advantages[r], completion_mask[r],
-                    old_logps=rows_of(old_logps, r), ref_logps=rows_of(ref_logps, r),
-                    sampling_logps=sampling_logps[r], minibatch_size=minibatch, **loss_hparams,
-                    minibatch_tokens=mb_tokens, counts=rows_of(counts, slice(mc, mc + micro)),
-                    **{k: v[r] for k, v in masks.items()})
-                loss.backward()
+            mb_rows = batch.rows(slice(mb, mb + minibatch))
+            mb_tokens = minibatch_tokens(mb_rows.completion_mask, mb_rows.truncated)
+            # the micro-batches of the minibatch's rows (its distinct ones, if any)
+            micro_rows = trained[mb:mb + minibatch].split(micro)
+            for i, micro_idx in enumerate(micro_rows):
+                last = i == len(micro_rows) - 1
+                metrics = backward_micro(batch, prompts, micro_idx, mb_tokens, last)
                 micro_metrics.append(metrics)
-            max_norm = args.grad_clip or math.inf
-            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), max_norm)
-            if isinstance(grad_norm, DTensor):
-                grad_norm = grad_norm.full_tensor()
-            if not torch.isfinite(grad_norm):  # the same on every rank (gradients are all-reduced)
-                last, _ = checkpoint.find(ckpt_root)
-                fail(f"non-finite loss or gradient at step {step} (grad norm {grad_norm.item()}); "
-                     f"weights left unchanged; last good checkpoint: {last or 'none'}. "
-                     f"Lower --lr or check rewards")
-            grad_norms.append(grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            grad_norms.append(optimizer_step(step))
             opt_step += 1
     times["update"] = time.time() - t0
 
@@ -343,17 +505,25 @@ for step in bar:
     times["sync"] = engine.sync_weights(model)["seconds"]
 
     # 5) log one JSON record per step (rank 0); evaluate and checkpoint on schedule
-    lengths = completion_mask.sum(1)  # (N,)
+    lengths = batch.completion_mask.sum(1)  # (N,)
     record = dict(step=step, **reward_stats, **sampling_stats)
-    record.update(step_metrics(micro_metrics, grad_norms))  # over all micro-batches and ranks
-    record.update(adv_mean=advantages.mean().item(), adv_abs_mean=advantages.abs().mean().item())
+    # over all micro-batches and ranks
+    record.update(step_metrics(micro_metrics, grad_norms))
+    record["adv_mean"] = advantages.mean().item()
+    record["adv_abs_mean"] = advantages.abs().mean().item()
     record["lr"] = cosine_lr(opt_step - 1, opt_steps_total, args.lr, args.warmup_steps)
-    record["rows_trained"] = len(keep) / N  # 1 - the share of duplicates the update left out
-    record["sampled_entropy"] = -(sampling_logps * completion_mask).sum().item() / lengths.sum().item()
-    record.update({f"len_{k}": getattr(lengths, k)().item() for k in ("mean", "min", "max")})
+    # 1 - the share of duplicates the update left out
+    record["rows_trained"] = len(trained) / N
+    sampled_logps = (batch.sampling_logps * batch.completion_mask).sum().item()
+    record["sampled_entropy"] = -sampled_logps / lengths.sum().item()
+    record["len_mean"] = lengths.mean().item()
+    record["len_min"] = lengths.min().item()
+    record["len_max"] = lengths.max().item()
     record["truncated"] = 1 - rollout.is_finished.float().mean().item()
-    record.update(tool_metrics(rollout))  # --tools: tool_calls_mean, tool_error_rate, tool_seconds
-    if sampler_version is not None:  # server mode: which weights sampled it, which trained on it
+    # --tools: tool_calls_mean, tool_error_rate, tool_seconds
+    record.update(tool_metrics(rollout))
+    # server mode: which weights sampled it, which trained on it
+    if sampler_version is not None:
         record["sampler_version"] = sampler_version
         record["policy_version"] = step - 1
         record["staleness"] = step - 1 - sampler_version
@@ -367,22 +537,24 @@ for step in bar:
     if master:
         metrics_file.write(json.dumps(record) + "\n")
         metrics_file.flush()
-        bar.set_postfix(reward=f"{record['reward_mean']:.3f}", loss=f"{record['loss']:.4f}")
+        bar.set_postfix(reward=f"{record['reward_mean']:.3f}",
+                        loss=f"{record['loss']:.4f}")
         tqdm.write(step_line(record, times))  # above the bar
         if wandb_run:
             wandb_run.log(record, step=step)
     if step % args.save_every == 0 or step == args.steps:
         trainer_state = dict(step=step, opt_step=opt_step, prompts_consumed=consumed,
                              config=run_config)
-        checkpoint.save(ckpt_root, step, raw_model, optimizer, engine, tokenizer, trainer_state,
-                        args.keep_last, device, ahead)
+        checkpoint.save(ckpt_root, step, raw_model, optimizer, engine, tokenizer,
+                        trainer_state, args.keep_last, device, ahead)
 
 # -----------------------------------------------------------------------------
 # The final policy (loadable by transformers, servable by vLLM), the plot, clean-up
 final_state = checkpoint.get_model_state_dict(raw_model, options=checkpoint.FULL)
 if master:
     metrics_file.close()
-    checkpoint.save_model(raw_model, os.path.join(args.out_dir, "model"), final_state, tokenizer)
+    model_dir = os.path.join(args.out_dir, "model")
+    checkpoint.save_model(raw_model, model_dir, final_state, tokenizer)
     evals = [r for r in map(json.loads, open(metrics_path)) if "eval_greedy" in r]
     if evals:
         first, last = evals[0], evals[-1]
@@ -394,7 +566,9 @@ if master:
         print0(f"plot: {plot.plot_metrics(metrics_path)}")
     except ImportError as e:
         print0(f"no plot ({e}): pip install matplotlib")
-barrier()  # rank 0 was saving and plotting: tear down together, or a rank exits mid-handshake
-engine.close()  # before destroy_process_group: vLLM's shutdown uses the group (and may destroy it)
+# rank 0 was saving and plotting: tear down together, or a rank exits mid-handshake
+barrier()
+# before destroy_process_group: vLLM's shutdown uses the group (and may destroy it)
+engine.close()
 if ddp and dist.is_initialized():
     dist.destroy_process_group()

@@ -1,4 +1,7 @@
-"""`python -m bench MODE [flags]`: the command line (see bench/__init__.py for the modes)."""
+"""`python -m bench MODE [flags]`: the command line.
+
+bench/__init__.py lists the modes.
+"""
 import argparse
 import importlib
 
@@ -26,39 +29,47 @@ MODES = {
 def parse_args():
     parser = argparse.ArgumentParser(prog="python -m bench", description=bench.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=list(MODES))
-    parser.add_argument("out_dirs", nargs="*", help="runs: train.py out-dirs")
-    parser.add_argument("--tiny", action="store_true",
-                        help="small shapes, CPU-runnable (checks the script itself)")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="timed repeats per figure (median reported); default 5 (gpu: 1 for "
-                        "rollouts, and with --tiny for the kernel too)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--peak-gbps", type=float, default=None,
-                        help="memory bandwidth for the roofline (GPU)")
+    add = parser.add_argument
+
+    add("mode", choices=list(MODES))
+    add("out_dirs", nargs="*", help="runs: train.py out-dirs")
+    add("--tiny", action="store_true",
+        help="small shapes, CPU-runnable (checks the script itself)")
+    add("--repeats", type=int, default=None,
+        help="timed repeats per figure (median reported); default 5 (gpu: 1 for "
+        "rollouts, and with --tiny for the kernel too)")
+    add("--threads", type=int, default=1, help="torch CPU threads")
+    add("--peak-gbps", type=float, default=None,
+        help="memory bandwidth for the roofline (GPU)")
+
     # gpu mode
-    parser.add_argument("--out", default="bench_gpu.json", help="gpu: the JSON file written")
-    parser.add_argument("--max-minutes", type=float, default=8.0,
-                        help="gpu: the whole run's deadline; the kernel section must end by 30%% "
-                        "of it, rollout by 65%%, train by 100%%")
-    parser.add_argument("--vllm-memory", type=float, default=None,
-                        help="gpu: the vLLM engine's memory fraction in rollout and train "
-                        "(default: train.py's 0.3; --tiny on CPU: about 3 GB of the RAM)")
-    parser.add_argument("--engine", default=None, choices=["auto", "vllm", "hf"],
-                        help="gpu: train.py's --engine (default: vllm with --tiny, else auto: "
-                        "vLLM when installed)")
-    parser.add_argument("--new-tokens", type=int, default=64, help="memory: completion length")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
-                        help="trl: one comparison per seed")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="trl: GRPO steps of each run (default: train.py's)")
-    parser.add_argument("--no-vllm", action="store_true",
-                        help="trl: leave out train.py --engine vllm")
-    parser.add_argument("--eval-every", type=int, default=25,
-                        help="trl: held-out evaluation every N steps, both trainers")
+    add("--out", default="bench_gpu.json", help="gpu: the JSON file written")
+    add("--max-minutes", type=float, default=8.0,
+        help="gpu: the whole run's deadline; the kernel section must end by 30%% "
+        "of it, rollout by 65%%, train by 100%%")
+    add("--vllm-memory", type=float, default=None,
+        help="gpu: the vLLM engine's memory fraction in rollout and train "
+        "(default: train.py's 0.3; --tiny on CPU: about 3 GB of the RAM)")
+    add("--engine", default=None, choices=["auto", "vllm", "hf"],
+        help="gpu: train.py's --engine (default: vllm with --tiny, else auto: "
+        "vLLM when installed)")
+
+    add("--new-tokens", type=int, default=64, help="memory: completion length")
+
+    # trl mode
+    add("--seeds", type=int, nargs="+", default=[0],
+        help="trl: one comparison per seed")
+    add("--steps", type=int, default=None,
+        help="trl: GRPO steps of each run (default: train.py's)")
+    add("--no-vllm", action="store_true",
+        help="trl: leave out train.py --engine vllm")
+    add("--eval-every", type=int, default=25,
+        help="trl: held-out evaluation every N steps, both trainers")
+
     # _memory_step: its one setting
-    parser.add_argument("--micro", type=int, default=2, help=argparse.SUPPRESS)
-    parser.add_argument("--completions", type=int, default=16, help=argparse.SUPPRESS)
+    add("--micro", type=int, default=2, help=argparse.SUPPRESS)
+    add("--completions", type=int, default=16, help=argparse.SUPPRESS)
+
     return parser.parse_args()
 
 
@@ -67,6 +78,7 @@ def main():
     torch.set_num_threads(args.threads)
     if args.mode != "gpu":
         args.repeats = args.repeats or 5
+
     module, function = MODES[args.mode]
     getattr(importlib.import_module(f"bench.{module}"), function)(args)
 

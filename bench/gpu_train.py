@@ -1,5 +1,7 @@
-"""`python -m bench gpu`'s third section: train.py on a random-init model, its metrics
-summarised."""
+"""`python -m bench gpu`'s third section: train.py on a random-init model.
+
+Its metrics are summarised.
+"""
 import json
 import os
 import re
@@ -22,16 +24,24 @@ STAGES = ("rollout", "reward", "update", "sync")
 
 
 def summarize_train(records, skip=2):
-    """train.py's metrics records -> median seconds per step, over the steps after the first `skip`
-    (compilation and warm-up land there), of rollout, reward, update, sync and their sum; the
-    rollout tokens/s; and the peak memory it logged (mem_peak_gb, the largest; None where it logs
-    none: on CPU, or a train.py from before the key)."""
+    """train.py's metrics records -> the median seconds per step, and more.
+
+    The medians are over the steps after the first `skip`, where compilation and
+    warm-up land. They are of rollout, reward, update, sync and their sum, and of
+    the rollout tokens/s. Then the peak memory it logged: mem_peak_gb, the
+    largest; None where it logs none (on CPU, or a train.py from before the key).
+    """
     steps = [r for r in records if "time_rollout" in r and r["step"] > skip]
     if not steps:
         raise ValueError(f"metrics.jsonl has no step after step {skip}")
-    medians = {f"time_{k}": statistics.median(r[f"time_{k}"] for r in steps) for k in STAGES}
-    medians["time_step"] = statistics.median(sum(r[f"time_{k}"] for k in STAGES) for r in steps)
+
+    medians = {}
+    for k in STAGES:
+        medians[f"time_{k}"] = statistics.median(r[f"time_{k}"] for r in steps)
+    totals = [sum(r[f"time_{k}"] for k in STAGES) for r in steps]
+    medians["time_step"] = statistics.median(totals)
     medians["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in steps)
+
     peaks = [r["mem_peak_gb"] for r in records if r.get("mem_peak_gb") is not None]
     return dict(steps_measured=f"{steps[0]['step']}-{steps[-1]['step']}", **medians,
                 mem_peak_gb=max(peaks) if peaks else None)
@@ -41,22 +51,29 @@ def save_model(run, model_dir):
     """run["model"]'s shape, random init, with never_eos_tokenizer, saved to model_dir."""
     tokenizer = never_eos_tokenizer(run["vocab"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build_model(run["model"], tokenizer, device, getattr(torch, run["dtype"]), run["vocab"])
+    dtype = getattr(torch, run["dtype"])
+    model = build_model(run["model"], tokenizer, device, dtype, run["vocab"])
+
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
+
     del model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
 def follow(cmd, section):
-    """Run train.py, its output printed as it goes (less the progress bars); the last lines of it
-    in the RuntimeError where it fails. Ends train.py and what it started on the way out (the
-    section's deadline)."""
+    """Run train.py, its output printed as it goes, less the progress bars.
+
+    Where it fails, the last lines of its output go into the RuntimeError. On the
+    way out (the section's deadline), it ends train.py and what it started.
+    """
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=env)
-    tail, t0 = deque(maxlen=20), time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, env=env)
+    tail = deque(maxlen=20)
+    t0 = time.time()
+
     try:
         # text mode: tqdm's \r redraws arrive as lines of their own
         for line in proc.stdout:
@@ -71,25 +88,37 @@ def follow(cmd, section):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
     if returncode != 0:
-        raise RuntimeError(f"train.py exited with {returncode}: " + " | ".join(list(tail)[-4:]))
+        last = " | ".join(list(tail)[-4:])
+        raise RuntimeError(f"train.py exited with {returncode}: " + last)
 
 
 def bench_train(args, run, section):
-    """Save a random-init model of run["model"]'s shape with never_eos_tokenizer (every completion
-    runs to --max-new-tokens, so each step does the same work) and run train.py on it, the built-in
-    sort task as data; summarise its metrics.jsonl into section."""
+    """Run train.py on a random-init model; summarise its metrics.jsonl into section.
+
+    The model has run["model"]'s shape and never_eos_tokenizer: every completion
+    runs to --max-new-tokens, so each step does the same work. The data is the
+    built-in sort task.
+    """
     tmp = tempfile.mkdtemp(prefix="bench_train_")
-    model_dir, out_dir = os.path.join(tmp, "model"), os.path.join(tmp, "out")
+    model_dir = os.path.join(tmp, "model")
+    out_dir = os.path.join(tmp, "out")
+
     try:
         save_model(run, model_dir)
-        flags = [x for k, v in run["train"].items() for x in (f"--{k.replace('_', '-')}", str(v))]
+
+        flags = []
+        for k, v in run["train"].items():
+            flags += [f"--{k.replace('_', '-')}", str(v)]
         engine = args.engine or ("vllm" if args.tiny else "auto")
-        cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--model", model_dir, *flags,
-               "--eval-every", "0", "--save-every", "1000", "--dtype", run["dtype"],
-               "--engine", engine, "--vllm-memory", str(args.vllm_memory), "--out-dir", out_dir]
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--model", model_dir,
+               *flags, "--eval-every", "0", "--save-every", "1000",
+               "--dtype", run["dtype"], "--engine", engine,
+               "--vllm-memory", str(args.vllm_memory), "--out-dir", out_dir]
         section["command"] = "python train.py " + shlex.join(cmd[2:]).replace(tmp, "TMP")
         print(section["command"])
+
         follow(cmd, section)
         with open(os.path.join(out_dir, "metrics.jsonl")) as f:
             section.update(summarize_train([json.loads(line) for line in f]))

@@ -1,45 +1,71 @@
-"""The GRPO per-token loss fused into one Triton kernel per direction: logits in, loss, dlogits out.
+"""
+The GRPO per-token loss fused into one Triton kernel per direction: logits in,
+loss and dlogits out.
 
-The (B, T, V) logits are the only big tensor of the policy update: bf16 logits for 32k tokens of
-Qwen's V = 151,936 take 10 GB, and a plain log_softmax adds an fp32 copy of 20 GB (the usual GRPO
-OOM; Liger-Kernel's triton_grpo_loss fuses it the same way). Each program walks one row of V logits
-with an online log-sum-exp (Milakov & Gimelshein 2018), keeping O(1) numbers per row; the backward
-recomputes the softmax from them. Extra memory: O(B*T); inplace_backward writes dlogits in place.
+The (B, T, V) logits are the only big tensor of the policy update. bf16 logits
+for 32k tokens of Qwen's V = 151,936 take 10 GB, and a plain log_softmax adds
+an fp32 copy of 20 GB: the usual GRPO OOM. Liger-Kernel's triton_grpo_loss
+fuses it the same way. Each program walks one row of V logits with an online
+log-sum-exp (Milakov & Gimelshein 2018), keeping O(1) numbers per row. The
+backward recomputes the softmax from them. Extra memory: O(B*T);
+inplace_backward writes dlogits in place.
 
-Forward, per unmasked token (b, t) with x = logits[b, t] (raw), id = ids[b, t], T = temperature:
-    m = max_v x_v,  d_v = (x_v - m) / T,  s = sum_v exp(d_v)   (one pass over V in blocks, fp32)
-    logp  = d_id - log s                       (= log_softmax(x / T)[id])
-    ratio = exp(logp - old_logp)               (exactly 1 when old_logps is None: on-policy)
-    pg    = w * objective (loss.py's pg_t; w = token_weight or 1):
-            "clip"  -min(ratio * A_b, clamp(ratio, 1 - eps_low, 1 + eps_high) * A_b)
-            "cispo" -sg(min(ratio, eps_high)) * A_b * logp
-            "sapo"  -sigmoid(tau (ratio - 1)) * 4 / tau * A_b, tau = tau_pos if A_b > 0 else tau_neg
-    kl    = exp(ref_logp - logp) - (ref_logp - logp) - 1  (k3, if beta; kl_bias_correction: * ratio)
-    H     = log s - mu,  mu = sum_v p_v d_v,  p = softmax(x / T)   (when entropy_coef != 0)
-    loss  = pg + beta * kl - entropy_coef * H  (masked tokens: 0, without a pass over V)
-The max is taken on the raw logits and subtracted before dividing by T: x - m is exact in fp32
-near the max, so large logits (1e4) lose nothing (x / T - max(x / T) loses ulp(1e4 / T) ~ 1e-3).
-Backward, with g = d Loss / d loss (the upstream gradient of the per-token loss):
-    dpg/dlogp   = w * (clip: -A * ratio * u;  cispo: -sg(min(ratio, eps_high)) * A;
-                  sapo: -4 A * sigma (1 - sigma) * ratio, sigma = sigmoid(tau (ratio - 1)))
-                  u = 1 if the min picks the unclipped side, 0 if the clipped one; at a tie (torch
-                  splits it, clamp passes its bounds) 1 inside [1 - eps_low, 1 + eps_high], else 1/2
-    dkl/dlogp   = 1 - exp(ref_logp - logp)   (kl_bias_correction: ratio * (that + kl))
+Forward, per unmasked token (b, t), with x = logits[b, t] (raw), id = ids[b, t]
+and T = the temperature. One pass over V in blocks, in fp32:
+
+    m     = max_v x_v,  d_v = (x_v - m) / T,  s = sum_v exp(d_v)
+    logp  = d_id - log s                  (= log_softmax(x / T)[id])
+    ratio = exp(logp - old_logp)          (exactly 1 without old_logps)
+    pg    = w * objective                 (loss.py's pg_t; w = token_weight or 1)
+            "clip"   -min(ratio * A_b, clamp(ratio, 1 - eps_low, 1 + eps_high) * A_b)
+            "cispo"  -sg(min(ratio, eps_high)) * A_b * logp
+            "sapo"   -sigmoid(tau (ratio - 1)) * 4 / tau * A_b,
+                     tau = tau_pos if A_b > 0 else tau_neg
+    kl    = exp(ref_logp - logp) - (ref_logp - logp) - 1
+            (k3, if beta; kl_bias_correction: * ratio)
+    H     = log s - mu,  mu = sum_v p_v d_v,  p = softmax(x / T)
+            (when entropy_coef != 0)
+    loss  = pg + beta * kl - entropy_coef * H
+            (masked tokens: 0, without a pass over V)
+
+The max is taken on the raw logits and subtracted before dividing by T. x - m
+is exact in fp32 near the max, so large logits (1e4) lose nothing, where
+x / T - max(x / T) would lose ulp(1e4 / T) ~ 1e-3.
+
+Backward, with g = d Loss / d loss, the upstream gradient of the per-token loss:
+
+    dpg/dlogp   = w * (clip:  -A * ratio * u;
+                       cispo: -sg(min(ratio, eps_high)) * A;
+                       sapo:  -4 A * sigma (1 - sigma) * ratio,
+                              sigma = sigmoid(tau (ratio - 1)))
+    dkl/dlogp   = 1 - exp(ref_logp - logp)
+                  (kl_bias_correction: ratio * (that + kl))
     dlogp/dx_j  = ([j == id] - p_j) / T,   dH/dx_j = -p_j (d_j - mu) / T
-    dlogits_j   = g / T * (dloss/dlogp * ([j == id] - p_j) + entropy_coef * p_j (d_j - mu))
-with p_j = exp(d_j - log s) recomputed from the saved m and log s. The forward saves dloss/dlogp
-per token, so the backward reads only the logits and a few numbers per row.
+    dlogits_j   = g / T * (dloss/dlogp * ([j == id] - p_j)
+                           + entropy_coef * p_j (d_j - mu))
 
-Tests: python -m pytest -q tests/test_kernel.py (CPU: TRITON_INTERPRET=1); python -m bench kernel
+u is 1 if the min picks the unclipped side, 0 if the clipped one. At a tie
+(torch splits it, and clamp passes its bounds) it is 1 inside
+[1 - eps_low, 1 + eps_high], else 1/2. p_j = exp(d_j - log s) is recomputed
+from the saved m and log s. The forward saves dloss/dlogp per token, so the
+backward reads only the logits and a few numbers per row.
+
+Tests: python -m pytest -q tests/test_kernel.py (CPU: TRITON_INTERPRET=1);
+python -m bench kernel
 
 Simplifications:
-1. Only the token-level ratio (GSPO stays in loss.py). Reductions, weights, masks and metrics stay
-   in PyTorch: loss.policy_loss (impl="triton"), the one caller in training, builds token_weight,
-   reduces the per-token loss and reports the stats under grpo_loss's names, with entropy_coef=0
-   (its bonus is the mean token entropy instead).
-2. BLOCK_V and num_warps are fixed, not autotuned: autotuning would rerun the in-place backward.
-3. ids must lie in [0, V) at unmasked positions; they are not checked (that would sync the GPU).
+1. Only the token-level ratio: GSPO stays in loss.py. Reductions, weights,
+   masks and metrics stay in PyTorch. loss.policy_loss (impl="triton"), the
+   one caller in training, builds token_weight, reduces the per-token loss and
+   reports the stats under grpo_loss's names. It passes entropy_coef=0: its
+   bonus is the mean token entropy instead.
+2. BLOCK_V and num_warps are fixed, not autotuned: autotuning would rerun the
+   in-place backward.
+3. ids must lie in [0, V) at unmasked positions. They are not checked: that
+   would sync the GPU.
 """
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -49,6 +75,23 @@ NUM_WARPS = 8
 OBJECTIVES = {"clip": 0, "cispo": 1, "sapo": 2}  # grpo, bnpo, dr_grpo and dapo clip
 
 
+@dataclasses.dataclass(frozen=True)
+class FusedLossOptions:
+    """fused_grpo_token_loss's numbers and switches (loss.py's pg_t and kl_t)."""
+
+    temperature: float = 1.0
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2  # cispo: the weight's cap itself
+    beta: float = 0.0  # 0: no KL term computed
+    kl_bias_correction: bool = False  # kl * ratio
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    objective: str = "clip"  # "clip" (grpo, bnpo, dr_grpo, dapo), "cispo" or "sapo"
+    entropy_coef: float = 0.0
+    # write dlogits into the logits' storage (see fused_grpo_token_loss)
+    inplace_backward: bool = False
+
+
 @triton.jit
 def _grpo_forward_kernel(
     logits_ptr, stride_b, stride_t, ids_ptr, valid_ptr, advantages_ptr, old_logps_ptr,
@@ -56,7 +99,8 @@ def _grpo_forward_kernel(
     clipped_high_ptr, row_max_ptr, log_sum_ptr, mean_d_ptr, dloss_dlogp_ptr,
     T, V, inv_temperature, ratio_low, ratio_high, beta, entropy_coef, tau_pos, tau_neg,
     OBJECTIVE: tl.constexpr, HAS_OLD: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    HAS_KL: tl.constexpr, KL_IS: tl.constexpr, HAS_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_KL: tl.constexpr, KL_IS: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     # the token index b * T + t; int64 so that row * stride cannot overflow
     row = tl.program_id(0).to(tl.int64)
@@ -65,7 +109,8 @@ def _grpo_forward_kernel(
     b = row // T
     x_ptr = logits_ptr + b * stride_b + (row % T) * stride_t
 
-    # online log-sum-exp over V: m = running max of x, d = (x - m) / T, s = sum e^d, acc = sum e^d d
+    # online log-sum-exp over V: m = running max of x, d = (x - m) / T,
+    # s = sum e^d, acc = sum e^d d
     m = -3.4028234663852886e38  # lowest fp32, not -inf: m - m_new is never inf - inf
     s = 0.0
     acc = 0.0
@@ -78,11 +123,13 @@ def _grpo_forward_kernel(
         d = (x - m_new) * inv_temperature
         e = tl.exp(d)  # 0 for padding and -inf logits
         if HAS_ENTROPY:
-            # the old terms: e -> alpha e, d -> d + shift; where alpha = 0 they vanish (no 0 * inf)
+            # the old terms: e -> alpha e, d -> d + shift; where alpha = 0 they
+            # vanish (no 0 * inf)
             acc = alpha * acc + tl.where(alpha > 0, alpha * s * shift, 0.0)
             acc += tl.sum(e * tl.where(e > 0, d, 0.0), 0)
         s = s * alpha + tl.sum(e, 0)
         m = m_new
+
     log_s = tl.log(s)
     x_id = tl.load(x_ptr + tl.load(ids_ptr + row)).to(tl.float32)
     logp = (x_id - m) * inv_temperature - log_s  # log_softmax(x / T)[id]
@@ -92,10 +139,13 @@ def _grpo_forward_kernel(
     if HAS_OLD:
         ratio = tl.exp(logp - tl.load(old_logps_ptr + row))
     else:
-        # on-policy: old = logp (logps - logps.detach() in loss.py); exactly 1, not a GPU exp(0)
+        # on-policy: old = logp (logps - logps.detach() in loss.py); exactly 1,
+        # not a GPU exp(0)
         ratio = logp - logp + 1.0
+
     if OBJECTIVE == 0:  # the clipped surrogate
-        clipped_ratio = tl.minimum(tl.maximum(ratio, ratio_low), ratio_high)  # torch.clamp
+        # torch.clamp
+        clipped_ratio = tl.minimum(tl.maximum(ratio, ratio_low), ratio_high)
         surrogate = ratio * advantage
         clipped_surrogate = clipped_ratio * advantage
         loss = -tl.minimum(surrogate, clipped_surrogate)
@@ -115,10 +165,12 @@ def _grpo_forward_kernel(
         gate = tl.sigmoid(tau * (ratio - 1.0))
         loss = -gate * 4.0 / tau * advantage
         dloss_dlogp = -4.0 * advantage * gate * (1.0 - gate) * ratio
+
     if HAS_WEIGHT:  # a constant per-token weight (loss.policy_weight)
         weight = tl.load(weight_ptr + row)
         loss = loss * weight
         dloss_dlogp = dloss_dlogp * weight
+
     if HAS_KL:
         delta = tl.load(ref_logps_ptr + row) - logp
         kl = tl.exp(delta) - delta - 1.0
@@ -129,12 +181,14 @@ def _grpo_forward_kernel(
             kl = kl * ratio
         loss = loss + beta * kl
         dloss_dlogp += beta * dkl_dlogp
+
     if HAS_ENTROPY:
         mean_d = acc / s  # mu = sum_v p_v d_v
         entropy = log_s - mean_d
         loss = loss - entropy_coef * entropy
         tl.store(entropy_ptr + row, entropy)
         tl.store(mean_d_ptr + row, mean_d)
+
     tl.store(loss_ptr + row, loss)
     tl.store(logps_ptr + row, logp)
     tl.store(row_max_ptr + row, m)
@@ -144,8 +198,8 @@ def _grpo_forward_kernel(
 
 @triton.jit
 def _grpo_backward_kernel(
-    logits_ptr, stride_b, stride_t, grad_ptr, grad_stride_b, grad_stride_t, ids_ptr, valid_ptr,
-    grad_loss_ptr, row_max_ptr, log_sum_ptr, mean_d_ptr, dloss_dlogp_ptr,
+    logits_ptr, stride_b, stride_t, grad_ptr, grad_stride_b, grad_stride_t, ids_ptr,
+    valid_ptr, grad_loss_ptr, row_max_ptr, log_sum_ptr, mean_d_ptr, dloss_dlogp_ptr,
     T, V, inv_temperature, entropy_coef,
     HAS_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -155,12 +209,14 @@ def _grpo_backward_kernel(
     x_ptr = logits_ptr + b * stride_b + t * stride_t
     # may be x_ptr (in place): each block is read before it is written
     dx_ptr = grad_ptr + b * grad_stride_b + t * grad_stride_t
+
     if tl.load(valid_ptr + row) == 0:  # masked token: zero gradient
         for start in range(0, V, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             zeros = tl.zeros([BLOCK_V], dtype=dx_ptr.dtype.element_ty)
             tl.store(dx_ptr + cols, zeros, mask=cols < V)
         return
+
     grad_loss = tl.load(grad_loss_ptr + row)
     g_logp = grad_loss * tl.load(dloss_dlogp_ptr + row) * inv_temperature
     g_entropy = grad_loss * entropy_coef * inv_temperature
@@ -170,6 +226,7 @@ def _grpo_backward_kernel(
     if HAS_ENTROPY:
         mean_d = tl.load(mean_d_ptr + row)
     chosen = tl.load(ids_ptr + row)
+
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         x = tl.load(x_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)
@@ -187,42 +244,55 @@ def _as_rows(x, N, name):
     if x is None:
         return None
     if x.numel() != N:
-        raise ValueError(f"{name} has shape {tuple(x.shape)}; expected (B, T) with B * T = {N}")
+        raise ValueError(f"{name} has shape {tuple(x.shape)}; "
+                         f"expected (B, T) with B * T = {N}")
     return x.reshape(N).float().contiguous()
 
 
 class _FusedGRPOTokenLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, ids, advantages, mask, old_logps, ref_logps, token_weight, o):
-        """o: fused_grpo_token_loss's keyword arguments, as numbers."""
+    def forward(ctx, logits, ids, advantages, mask, old_logps, ref_logps, token_weight,
+                o):
+        """o: the FusedLossOptions."""
         B, T, V = logits.shape
         N = B * T
         valid = (mask != 0).reshape(N).contiguous()  # (N,) bool
         ids = ids.reshape(N).contiguous()  # (N,)
+
+        # the outputs: zeros stay at masked tokens
         f32 = dict(device=logits.device, dtype=torch.float32)
-        # zeros stay at masked tokens
-        loss, logps = (torch.zeros(N, **f32) for _ in range(2))  # (N,) each
-        kl = torch.zeros(N, **f32) if o["beta"] != 0 else None
-        entropy = torch.zeros(N, **f32) if o["entropy_coef"] != 0 else None
+        loss = torch.zeros(N, **f32)  # (N,)
+        logps = torch.zeros(N, **f32)  # (N,)
+        kl = torch.zeros(N, **f32) if o.beta != 0 else None
+        entropy = torch.zeros(N, **f32) if o.entropy_coef != 0 else None
         clipped_low = torch.zeros(N, device=logits.device, dtype=torch.bool)  # (N,)
         clipped_high = torch.zeros(N, device=logits.device, dtype=torch.bool)  # (N,)
-        row_max, log_sum, mean_d, dloss_dlogp = torch.zeros(4, N, **f32)  # (4, N) for backward
+        # what the backward reads
+        row_max, log_sum, mean_d, dloss_dlogp = torch.zeros(4, N, **f32)  # (4, N)
+
         old = _as_rows(old_logps, N, "old_logps")
         ref = _as_rows(ref_logps, N, "ref_logps")
         weight = _as_rows(token_weight, N, "token_weight")
         # cispo caps the ratio at eps_high itself
-        ratio_high = o["epsilon_high"] if o["objective"] == "cispo" else 1.0 + o["epsilon_high"]
+        if o.objective == "cispo":
+            ratio_high = float(o.epsilon_high)
+        else:
+            ratio_high = 1.0 + float(o.epsilon_high)
+
         _grpo_forward_kernel[(N,)](
             logits, logits.stride(0), logits.stride(1), ids, valid,
             advantages.float().contiguous(), old, ref, weight,
             loss, logps, kl, entropy, clipped_low, clipped_high,
             row_max, log_sum, mean_d, dloss_dlogp,
-            T, V, 1.0 / o["temperature"], 1.0 - o["epsilon_low"], ratio_high, o["beta"],
-            o["entropy_coef"], o["tau_pos"], o["tau_neg"],
-            OBJECTIVE=OBJECTIVES[o["objective"]], HAS_OLD=old is not None,
-            HAS_WEIGHT=weight is not None, HAS_KL=o["beta"] != 0, KL_IS=o["kl_bias_correction"],
-            HAS_ENTROPY=entropy is not None, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
+            T, V, 1.0 / float(o.temperature), 1.0 - float(o.epsilon_low), ratio_high,
+            float(o.beta), float(o.entropy_coef), float(o.sapo_tau_pos),
+            float(o.sapo_tau_neg),
+            OBJECTIVE=OBJECTIVES[o.objective], HAS_OLD=old is not None,
+            HAS_WEIGHT=weight is not None, HAS_KL=o.beta != 0,
+            KL_IS=bool(o.kl_bias_correction), HAS_ENTROPY=entropy is not None,
+            BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
         )
+
         ctx.save_for_backward(logits, ids, valid, row_max, log_sum, mean_d, dloss_dlogp)
         ctx.o = o
         buffers = (loss, logps, kl, entropy, clipped_low, clipped_high)
@@ -234,43 +304,54 @@ class _FusedGRPOTokenLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, *unused_grads):
         logits, ids, valid, row_max, log_sum, mean_d, dloss_dlogp = ctx.saved_tensors
         B, T, V = logits.shape
-        if ctx.o["inplace_backward"]:
-            # the gradient overwrites the logits (they are dead once this backward has read them)
+        if ctx.o.inplace_backward:
+            # the gradient overwrites the logits (they are dead once this backward
+            # has read them)
             grad = logits.detach()
         else:
             grad = torch.empty((B, T, V), dtype=logits.dtype, device=logits.device)
         _grpo_backward_kernel[(B * T,)](
-            logits, logits.stride(0), logits.stride(1), grad, grad.stride(0), grad.stride(1),
+            logits, logits.stride(0), logits.stride(1),
+            grad, grad.stride(0), grad.stride(1),
             ids, valid, grad_loss.reshape(B * T).float().contiguous(),
             row_max, log_sum, mean_d, dloss_dlogp,
-            T, V, 1.0 / ctx.o["temperature"], ctx.o["entropy_coef"],
-            HAS_ENTROPY=ctx.o["entropy_coef"] != 0, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
+            T, V, 1.0 / float(ctx.o.temperature), float(ctx.o.entropy_coef),
+            HAS_ENTROPY=ctx.o.entropy_coef != 0, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
         )
         return (grad,) + (None,) * 7
 
 
-# Dynamo is kept out of the op (compiled callers graph-break here): it is one fused kernel, and
-# tracing user Triton kernels inside an autograd.Function is a path the CPU tests cannot cover.
+# Dynamo is kept out of the op (compiled callers graph-break here): it is one
+# fused kernel, and tracing user Triton kernels inside an autograd.Function is a
+# path the CPU tests cannot cover.
 @torch.compiler.disable
-def fused_grpo_token_loss(logits, ids, advantages, mask, old_logps=None, ref_logps=None, *,
-                          temperature=1.0, epsilon_low=0.2, epsilon_high=0.2, beta=0.0,
-                          entropy_coef=0.0, token_weight=None, inplace_backward=False,
-                          objective="clip", kl_bias_correction=False, sapo_tau_pos=1.0,
-                          sapo_tau_neg=1.05):
-    """GRPO per-token loss straight from logits, as loss.grpo_loss computes it before reduce_loss.
+def fused_grpo_token_loss(logits, ids, advantages, mask, old_logps=None, ref_logps=None,
+                          token_weight=None, options=FusedLossOptions()):
+    """The GRPO per-token loss straight from logits, before loss.reduce_loss.
 
-    logits (B, T, V) bf16/fp16/fp32 with stride(-1) == 1 (views like logits[:, :-1] need no copy);
-    ids, mask, old_logps, ref_logps, token_weight (B, T); advantages (B,). objective: "clip"
-    (loss types grpo, bnpo, dr_grpo, dapo), "cispo" or "sapo".
-    Returns (per_token_loss (B, T) fp32, differentiable w.r.t. logits, 0 at masked tokens;
-             logps (B, T) fp32 detached;
-             stats: detached (B, T): is_clipped_low, is_clipped_high (bool; cispo: its capped
-                    weights), kl (when beta != 0, not * ratio), entropy (when entropy_coef != 0)).
-    Reduce with loss.reduce_loss(per_token_loss, mask, loss_type, ...); loss.policy_loss does.
-    inplace_backward=True writes dlogits into the logits' storage (destroying them, as Liger's
-    inplace=True): only when nothing reads them after this backward. For the full saving they must
-    not be a view: autograd turns the gradient of logits[:, :-1] into a fresh (B, T + 1, V) tensor.
+    It is what loss.grpo_loss computes before reducing, for options' objective
+    ("clip" is loss types grpo, bnpo, dr_grpo and dapo; or "cispo", "sapo").
+
+    logits (B, T, V) bf16/fp16/fp32 with stride(-1) == 1 (views like
+    logits[:, :-1] need no copy); ids, mask, old_logps, ref_logps,
+    token_weight (B, T); advantages (B,).
+
+    Returns
+      per_token_loss  (B, T) fp32, differentiable w.r.t. logits, 0 at masked
+                      tokens;
+      logps           (B, T) fp32, detached;
+      stats           detached (B, T): is_clipped_low, is_clipped_high (bool;
+                      cispo: its capped weights), kl (when beta != 0, not
+                      * ratio), entropy (when entropy_coef != 0).
+    Reduce with loss.reduce_loss(per_token_loss, mask, loss_type, ...), as
+    loss.policy_loss does.
+
+    options.inplace_backward=True writes dlogits into the logits' storage,
+    destroying them (as Liger's inplace=True): only when nothing reads them
+    after this backward. For the full saving they must not be a view: autograd
+    turns the gradient of logits[:, :-1] into a fresh (B, T + 1, V) tensor.
     """
+    o = options
     if logits.dim() != 3 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be (B, T, V) with stride(-1) == 1, got shape "
                          f"{tuple(logits.shape)} and strides {logits.stride()}: "
@@ -278,23 +359,25 @@ def fused_grpo_token_loss(logits, ids, advantages, mask, old_logps=None, ref_log
     if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"logits dtype {logits.dtype}: use float32, bfloat16 or float16 "
                          f"(loss.py covers float64)")
+
     B, T, V = logits.shape
     if ids.shape != (B, T) or mask.shape != (B, T) or advantages.shape != (B,):
-        raise ValueError(f"with logits {tuple(logits.shape)} expected ids and mask ({B}, {T}) and "
-                         f"advantages ({B},), got {tuple(ids.shape)}, {tuple(mask.shape)}, "
-                         f"{tuple(advantages.shape)}")
-    if beta != 0 and ref_logps is None:
-        raise ValueError(f"beta={beta} needs ref_logps (the reference model's log-probs); "
-                         f"or set beta=0")
-    if temperature <= 0:
-        raise ValueError(f"temperature={temperature} must be > 0 (use the sampling temperature)")
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective={objective!r}: choose one of {tuple(OBJECTIVES)}")
-    o = dict(temperature=float(temperature), epsilon_low=float(epsilon_low), beta=float(beta),
-             epsilon_high=float(epsilon_high), entropy_coef=float(entropy_coef),
-             tau_pos=float(sapo_tau_pos), tau_neg=float(sapo_tau_neg), objective=objective,
-             kl_bias_correction=bool(kl_bias_correction), inplace_backward=bool(inplace_backward))
-    loss, logps, kl, entropy, clipped_low, clipped_high = _FusedGRPOTokenLoss.apply(
-        logits, ids, advantages, mask, old_logps, ref_logps, token_weight, o)
-    stats = dict(is_clipped_low=clipped_low, is_clipped_high=clipped_high, kl=kl, entropy=entropy)
+        raise ValueError(f"with logits {tuple(logits.shape)} expected ids and mask "
+                         f"({B}, {T}) and advantages ({B},), got {tuple(ids.shape)}, "
+                         f"{tuple(mask.shape)}, {tuple(advantages.shape)}")
+    if o.beta != 0 and ref_logps is None:
+        raise ValueError(f"beta={o.beta} needs ref_logps (the reference model's "
+                         f"log-probs); or set beta=0")
+    if o.temperature <= 0:
+        raise ValueError(f"temperature={o.temperature} must be > 0 "
+                         f"(use the sampling temperature)")
+    if o.objective not in OBJECTIVES:
+        raise ValueError(f"objective={o.objective!r}: choose one of {tuple(OBJECTIVES)}")
+
+    outputs = _FusedGRPOTokenLoss.apply(logits, ids, advantages, mask, old_logps,
+                                        ref_logps, token_weight, o)
+    loss, logps, kl, entropy, clipped_low, clipped_high = outputs
+
+    stats = dict(is_clipped_low=clipped_low, is_clipped_high=clipped_high, kl=kl,
+                 entropy=entropy)
     return loss, logps, {k: v for k, v in stats.items() if v is not None}

@@ -1,5 +1,8 @@
-"""Shared test setup: repo root on sys.path, 1 torch thread (CI has 2 cores), and the Triton
-interpreter when there is no GPU (must be set before triton is first imported)."""
+"""Shared test setup: the repo root on sys.path, and 1 torch thread (CI has 2 cores).
+
+Without a GPU it also sets the Triton interpreter, which must be set before triton
+is first imported.
+"""
 import os
 import sys
 
@@ -19,11 +22,19 @@ import pytest  # noqa: E402
 
 
 def pytest_configure(config):
-    """Once per session (the xdist controller, or the only process): zygote.py's warm servers, which the test
-    subprocesses fork from instead of importing torch, transformers and vLLM again (TINYGRPO_TEST_ZYGOTE=0: cold)."""
-    if "PYTEST_XDIST_WORKER" not in os.environ and os.environ.get("TINYGRPO_TEST_ZYGOTE", "1") != "0" \
-            and "TINYGRPO_ZYGOTE_VLLM" not in os.environ:
+    """Start zygote.py's warm servers, once per session.
+
+    This runs in the xdist controller, or the only process. The test subprocesses
+    fork from the servers instead of importing torch, transformers and vLLM again
+    (TINYGRPO_TEST_ZYGOTE=0: cold).
+    """
+    controller = "PYTEST_XDIST_WORKER" not in os.environ
+    wanted = os.environ.get("TINYGRPO_TEST_ZYGOTE", "1") != "0"
+    running = "TINYGRPO_ZYGOTE_VLLM" in os.environ
+
+    if controller and wanted and not running:
         from helpers import start_zygotes
+
         config.stop_zygotes = start_zygotes()
 
 
@@ -34,13 +45,18 @@ def pytest_unconfigure(config):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """(model folder, trainer model, tokenizer, prompt ids): task.py's tied-embedding tiny Qwen2 (head_dim 32)."""
+    """(model folder, trainer model, tokenizer, prompt ids).
+
+    The model is task.py's tied-embedding tiny Qwen2 (head_dim 32).
+    """
     from helpers import PROMPTS
     from task import build_tiny_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     model = build_tiny_model(tokenizer, seed=0)
+
     path = str(tmp_path_factory.mktemp("tiny"))
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+
     return path, model, tokenizer, [tokenizer(p)["input_ids"] for p in PROMPTS]

@@ -1,6 +1,8 @@
-"""bench/'s pure pieces (`python -m bench gpu --tiny` in .ci/run runs the rest end to end): the
-never-EOS tokenizer that makes every completion run to full length, the summaries of train.py's
-metrics, and the command line."""
+"""bench/'s pure pieces; `python -m bench gpu --tiny` in .ci/run runs the rest end to end.
+
+The never-EOS tokenizer that makes every completion run to full length, the
+summaries of train.py's metrics, and the command line.
+"""
 import json
 import math
 import subprocess
@@ -19,17 +21,21 @@ from model import load_tokenizer
 
 def test_never_eos_tokenizer_survives_save_and_reload(tmp_path):
     tokenizer = never_eos_tokenizer(QWEN_VOCAB)
-    assert tokenizer.eos_token_id == QWEN_VOCAB and tokenizer.pad_token_id == 0
+    assert tokenizer.eos_token_id == QWEN_VOCAB
+    assert tokenizer.pad_token_id == 0
+
     # its config says qwen2
     model = build_model("tiny", tokenizer, "cpu", torch.float32, vocab_size=1024)
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
+
     # as train.py and vLLM load it
     reloaded, _ = load_tokenizer(str(tmp_path))
     assert reloaded.eos_token_id == QWEN_VOCAB
     assert reloaded("739>")["input_ids"] == task.build_tokenizer()("739>")["input_ids"]
     # ids the tokenizer lacks (a model can sample them) decode to ''
     assert reloaded.decode([9, 500, 5]) == "73"
+
     # the default: right after the tokenizer's own ids
     assert never_eos_tokenizer().eos_token_id == len(task.build_tokenizer())
 
@@ -37,46 +43,67 @@ def test_never_eos_tokenizer_survives_save_and_reload(tmp_path):
 def test_summarize_train_skips_warm_up_steps_and_tolerates_no_memory_key():
     times = dict(time_rollout=1.0, time_reward=0.1, time_update=2.0, time_sync=0.5,
                  tokens_per_s=100.0)
-    records = [dict(step=0, eval_greedy=0.0)] + [dict(step=s, **times) for s in range(1, 6)]
+    records = [dict(step=0, eval_greedy=0.0)]
+    records += [dict(step=s, **times) for s in range(1, 6)]
     # step 1: compilation
     records[1]["time_update"] = 60.0
+
     summary = summarize_train(records)
-    assert summary["steps_measured"] == "3-5" and summary["time_update"] == 2.0
+    assert summary["steps_measured"] == "3-5"
+    assert summary["time_update"] == 2.0
     assert math.isclose(summary["time_step"], 3.6)
     # on CPU, or before train.py logged it
     assert summary["mem_peak_gb"] is None
-    records[4]["mem_peak_gb"], records[5]["mem_peak_gb"] = 30.0, 31.5
+
+    records[4]["mem_peak_gb"] = 30.0
+    records[5]["mem_peak_gb"] = 31.5
     assert summarize_train(records)["mem_peak_gb"] == 31.5
-    nan, inf = float("nan"), float("inf")
+
+    nan = float("nan")
+    inf = float("inf")
     assert finite({"a": [nan, 1.0], "b": inf}) == {"a": [None, 1.0], "b": None}
 
 
 def fake_run():
-    """Metrics records of a 6-step run: step 4's delta (5.0 s) follows step 3's evaluation."""
+    """Metrics records of a 6-step run.
+
+    Step 4's delta (5.0 s) follows step 3's evaluation.
+    """
     elapsed = [0.1, 0.2, 0.3, 5.3, 5.4, 5.5]
     records = [dict(step=0, eval_greedy=0.0)]
-    records += [dict(step=s, elapsed=e, time_update=0.05) for s, e in enumerate(elapsed, 1)]
-    records[3]["eval_greedy"], records[5]["eval_greedy"] = 0.5, 0.96
+    for s, e in enumerate(elapsed, 1):
+        records.append(dict(step=s, elapsed=e, time_update=0.05))
+    records[3]["eval_greedy"] = 0.5
+    records[5]["eval_greedy"] = 0.96
     return records
 
 
 def test_run_summary_leaves_evaluations_out_of_the_training_time():
-    """runs / trl: the median of the step deltas, a step right after an evaluation counted at the
-    median (its delta holds the evaluation), the first held-out >= 0.95 and the training time
-    summed up to it."""
+    """runs / trl: the median step, the first held-out >= 0.95, the training time to it.
+
+    The median is of the step deltas. A step right after an evaluation is counted
+    at the median, since its delta holds the evaluation. The training time is
+    summed up to the first held-out >= 0.95.
+    """
     records = fake_run()
     median, first, to_095 = run_summary(records)
+    assert math.isclose(median, 0.1)
+    assert first == 5
     # 0.1 + 4 steps of 0.1
-    assert math.isclose(median, 0.1) and first == 5 and math.isclose(to_095, 0.5)
+    assert math.isclose(to_095, 0.5)
+
     # never reached
     assert run_summary(records[:4])[1:] == (None, None)
 
 
 def test_python_m_bench_runs_reads_an_out_dir(tmp_path):
-    """`python -m bench runs OUT` from the repo root: the package's command line end to end."""
+    """`python -m bench runs OUT` from the repo root: the command line end to end."""
     with open(tmp_path / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in fake_run())
-    proc = subprocess.run([sys.executable, "-m", "bench", "runs", str(tmp_path)], cwd=ROOT,
-                          env=ENV, capture_output=True, text=True, timeout=120)
+
+    cmd = [sys.executable, "-m", "bench", "runs", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "median step 0.100 s | update 0.050 | held-out >= 0.95 at step 5" in proc.stdout
+    line = "median step 0.100 s | update 0.050 | held-out >= 0.95 at step 5"
+    assert line in proc.stdout

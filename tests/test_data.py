@@ -1,5 +1,8 @@
-"""Real-data path on CPU, no hub: GSM8K-format fixtures written here -> load_prompt_dataset -> R1 rewards;
-chat-template rendering through a tiny character tokenizer; a tiny reward model built from a config.
+"""The real-data path on CPU, with no hub.
+
+GSM8K-format fixtures written here -> load_prompt_dataset -> the R1 rewards. The
+chat template renders through a tiny character tokenizer, and a tiny reward model
+is built from a config.
 
     python -m pytest -q tests/test_data.py
 """
@@ -16,41 +19,56 @@ from transformers import Qwen2Config, Qwen2ForSequenceClassification
 import data
 import model
 import task
-from reward import (accuracy_reward, compute_rewards, get_reward_funcs, get_reward_model_func,
-                    reasoning_accuracy_reward, think_format_reward)
+from reward import (accuracy_reward, compute_rewards, get_reward_funcs,
+                    get_reward_model_func, reasoning_accuracy_reward, think_format_reward)
 
-# Made-up word problems in GSM8K's format: worked answer with <<calculator>> notes, gold after "####".
+# Made-up word problems in GSM8K's format: a worked answer with <<calculator>> notes,
+# the gold after "####".
 GSM8K_FIXTURES = [
-    dict(question="Mia has 3 boxes with 4 pencils in each box. She gives away 5 pencils. How many pencils "
-                  "does she have left?",
-         answer="Mia has 3*4 = <<3*4=12>>12 pencils.\nAfter giving 5 away she has 12-5 = <<12-5=7>>7.\n#### 7",
+    dict(question="Mia has 3 boxes with 4 pencils in each box. She gives away 5 pencils. "
+                  "How many pencils does she have left?",
+         answer="Mia has 3*4 = <<3*4=12>>12 pencils.\n"
+                "After giving 5 away she has 12-5 = <<12-5=7>>7.\n#### 7",
          level=1),
-    dict(question="A baker makes 24 muffins. He sells half of them in the morning and 4 more in the afternoon. "
-                  "How many muffins are left?",
-         answer="He sells 24/2 = <<24/2=12>>12 in the morning.\n12-4 = <<12-4=8>>8 are left.\n#### 8", level=2),
-    dict(question="Tom reads 15 pages a day for 6 days. How many pages does he read?",
-         answer="Tom reads 15*6 = <<15*6=90>>90 pages.\n#### 90", level=1),
-    dict(question="A train ticket costs $12 and a bus ticket costs $3 less. How much do 2 train tickets and "
-                  "1 bus ticket cost together?",
-         answer="A bus ticket costs 12-3 = <<12-3=9>>9 dollars.\n2*12+9 = <<2*12+9=33>>33 dollars.\n#### 33",
+    dict(question="A baker makes 24 muffins. He sells half of them in the morning and 4 "
+                  "more in the afternoon. How many muffins are left?",
+         answer="He sells 24/2 = <<24/2=12>>12 in the morning.\n"
+                "12-4 = <<12-4=8>>8 are left.\n#### 8",
          level=2),
-    dict(question="A farm has 1,200 chickens and buys 34 more. How many chickens does it have now?",
-         answer="1200+34 = <<1200+34=1234>>1234 chickens.\n#### 1,234", level=1),
+    dict(question="Tom reads 15 pages a day for 6 days. How many pages does he read?",
+         answer="Tom reads 15*6 = <<15*6=90>>90 pages.\n#### 90",
+         level=1),
+    dict(question="A train ticket costs $12 and a bus ticket costs $3 less. How much do "
+                  "2 train tickets and 1 bus ticket cost together?",
+         answer="A bus ticket costs 12-3 = <<12-3=9>>9 dollars.\n"
+                "2*12+9 = <<2*12+9=33>>33 dollars.\n#### 33",
+         level=2),
+    dict(question="A farm has 1,200 chickens and buys 34 more. How many chickens does "
+                  "it have now?",
+         answer="1200+34 = <<1200+34=1234>>1234 chickens.\n#### 1,234",
+         level=1),
 ]
 GOLDS = ["7", "8", "90", "33", "1234"]
 
 
 def write_gsm8k_jsonl(path):
-    """The fixtures as a GSM8K-style jsonl file (columns question, answer, level); returns the path."""
+    """The fixtures as a GSM8K-style jsonl file -> its path.
+
+    Its columns are question, answer and level.
+    """
     with open(path, "w") as f:
         f.writelines(json.dumps(row) + "\n" for row in GSM8K_FIXTURES)
     return str(path)
 
 
 def chat_tokenizer(bos=False):
-    """The tiny chat tokenizer; bos=True adds a BOS that both the template and the tokenizer write (Llama 3)."""
+    """The tiny chat tokenizer.
+
+    bos=True adds a BOS that both the template and the tokenizer write (Llama 3).
+    """
     if not bos:
         return task.build_tokenizer(task.TEXT_CHARS, task.CHAT_TEMPLATE)
+
     tok = task.build_tokenizer(task.TEXT_CHARS, "{{ bos_token }}" + task.CHAT_TEMPLATE)
     tok.add_special_tokens({"bos_token": "<s>"})
     tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
@@ -59,7 +77,8 @@ def chat_tokenizer(bos=False):
 
 
 def load_fixtures(path, **kw):
-    return data.load_prompt_dataset(path, prompt_column="question", solution_column="answer", **kw)
+    return data.load_prompt_dataset(path, prompt_column="question",
+                                    solution_column="answer", **kw)
 
 
 # -----------------------------------------------------------------------------
@@ -68,6 +87,7 @@ def load_fixtures(path, **kw):
 def write_as(fmt, directory):
     ds = datasets.Dataset.from_list(GSM8K_FIXTURES)
     path = directory / f"gsm8k.{fmt}"
+
     if fmt == "jsonl":
         write_gsm8k_jsonl(path)
     elif fmt == "json":  # one JSON array, not lines
@@ -76,13 +96,16 @@ def write_as(fmt, directory):
         ds.to_csv(str(path), index=False)
     else:
         ds.to_parquet(str(path))
+
     return str(path)
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "json", "csv", "parquet"])
 def test_load_maps_columns_and_keeps_the_others(fmt, tmp_path):
     rows = load_fixtures(write_as(fmt, tmp_path))
-    assert [set(r) for r in rows] == [{"prompt", "solution", "level"}] * len(GSM8K_FIXTURES)
+
+    columns = {"prompt", "solution", "level"}
+    assert [set(r) for r in rows] == [columns] * len(GSM8K_FIXTURES)
     assert [r["prompt"] for r in rows] == [f["question"] for f in GSM8K_FIXTURES]
     assert [r["solution"] for r in rows] == [f["answer"] for f in GSM8K_FIXTURES]
     assert [r["level"] for r in rows] == [1, 2, 1, 2, 1]
@@ -93,83 +116,128 @@ def test_load_several_files_by_glob_or_list_and_slices(tmp_path):
     for i in range(2):
         (tmp_path / "a" / f"part{i}.jsonl").write_text(
             "".join(json.dumps(r) + "\n" for r in GSM8K_FIXTURES[i::2]))
+
     by_glob = load_fixtures(str(tmp_path / "a" / "*.jsonl"))
-    by_list = load_fixtures([tmp_path / "a" / "part0.jsonl", tmp_path / "a" / "part1.jsonl"])
-    assert sorted(r["prompt"] for r in by_glob) == sorted(f["question"] for f in GSM8K_FIXTURES)
+    parts = [tmp_path / "a" / "part0.jsonl", tmp_path / "a" / "part1.jsonl"]
+    by_list = load_fixtures(parts)
+    questions = sorted(f["question"] for f in GSM8K_FIXTURES)
+    assert sorted(r["prompt"] for r in by_glob) == questions
     assert by_glob == by_list
-    assert len(load_fixtures(write_gsm8k_jsonl(tmp_path / "g.jsonl"), split="train[:2]")) == 2
+
+    path = write_gsm8k_jsonl(tmp_path / "g.jsonl")
+    assert len(load_fixtures(path, split="train[:2]")) == 2
 
 
 def test_load_without_golds(tmp_path):
-    rows = data.load_prompt_dataset(write_gsm8k_jsonl(tmp_path / "g.jsonl"), prompt_column="question",
-                                    solution_column=None)
+    path = write_gsm8k_jsonl(tmp_path / "g.jsonl")
+    rows = data.load_prompt_dataset(path, prompt_column="question", solution_column=None)
     assert set(rows[0]) == {"prompt", "answer", "level"}
 
 
 def test_load_errors_say_what_to_change(tmp_path):
     path = write_gsm8k_jsonl(tmp_path / "g.jsonl")
-    with pytest.raises(ValueError, match=r"no prompt column 'prompt'; its columns are \['question', 'answer', 'level'\]"):
+    columns = r"\['question', 'answer', 'level'\]"
+    message = r"no prompt column 'prompt'; its columns are " + columns
+    with pytest.raises(ValueError, match=message):
         data.load_prompt_dataset(path)
-    with pytest.raises(ValueError, match="no solution column 'solution'.*solution_column=None"):
+    message = "no solution column 'solution'.*solution_column=None"
+    with pytest.raises(ValueError, match=message):
         data.load_prompt_dataset(path, prompt_column="question")
+
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         data.load_prompt_dataset(str(tmp_path / "missing.jsonl"))
+
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(ValueError, match="no rows"):
         data.load_prompt_dataset(str(tmp_path / "empty.jsonl"))
     (tmp_path / "empty.json").write_text("[]")
     with pytest.raises(ValueError, match="empty files have no rows"):
         data.load_prompt_dataset(str(tmp_path / "empty.json"))
+
     with pytest.raises(ValueError, match="Unknown split.*one split, 'train'"):
         load_fixtures(path, split="test")
+
     (tmp_path / "g.txt").write_text("hello")
     with pytest.raises(ValueError, match="files ending in .json, .jsonl, .csv, .parquet"):
         data.load_prompt_dataset(str(tmp_path / "g.txt"))
-    clash = tmp_path / "clash.jsonl"  # a column that reward functions already get as a keyword
-    clash.write_text(json.dumps({"question": "q", "answer": "#### 1", "completions": "x"}) + "\n")
+
+    # a column that reward functions already get as a keyword
+    clash = tmp_path / "clash.jsonl"
+    row = {"question": "q", "answer": "#### 1", "completions": "x"}
+    clash.write_text(json.dumps(row) + "\n")
     with pytest.raises(ValueError, match="column 'completions' would clash"):
         load_fixtures(str(clash))
-    clash.write_text(json.dumps({"question": "q", "answer": "#### 1", "prompt": "p"}) + "\n")
+    row = {"question": "q", "answer": "#### 1", "prompt": "p"}
+    clash.write_text(json.dumps(row) + "\n")
     with pytest.raises(ValueError, match="column 'prompt' would clash"):
         load_fixtures(str(clash))
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_batch_indices_draw_each_prompt_once_per_epoch(world):
-    """Global draw g is position g % n of epoch g // n's permutation: a batch that crosses an epoch boundary
-    finishes the old epoch with its last prompts and starts the new one, so every epoch holds each prompt
-    exactly once (7 rows, 4 per batch: the boundary falls inside batches), whatever the number of ranks."""
-    n, per_step, batches = 7, 4, 14  # 56 draws: 8 epochs
-    draws = [i for b in range(batches) for rank in range(world)
-             for i in data.batch_indices(n, b * per_step, per_step, rank, world, seed=3)]
+    """Every epoch holds each prompt exactly once, whatever the number of ranks.
+
+    Global draw g is position g % n of epoch g // n's permutation. A batch that
+    crosses an epoch boundary finishes the old epoch with its last prompts and
+    starts the new one. Here 7 rows, 4 per batch: the boundary falls inside
+    batches.
+    """
+    n = 7
+    per_step = 4
+    batches = 14  # 56 draws: 8 epochs
+
+    draws = []
+    for b in range(batches):
+        for rank in range(world):
+            draws += data.batch_indices(n, b * per_step, per_step, rank, world, seed=3)
+
     epochs = [sorted(draws[e * n:(e + 1) * n]) for e in range(len(draws) // n)]
     assert epochs == [list(range(n))] * 8
-    assert draws[:n] != draws[n:2 * n]  # each epoch its own order
-    assert data.batch_indices(n, 20, per_step, 1, world, 3) == data.batch_indices(n, 20, per_step, 1, world, 3)
-    # the stream is indexed by prompts consumed, not by step (--dynamic-sampling draws several batches a step), and
-    # the ranks' shares of a batch are consecutive in it, whatever the number of ranks
+    # each epoch its own order
+    assert draws[:n] != draws[n:2 * n]
+    again = data.batch_indices(n, 20, per_step, 1, world, 3)
+    assert data.batch_indices(n, 20, per_step, 1, world, 3) == again
+
+    # The stream is indexed by prompts consumed, not by step (--dynamic-sampling
+    # draws several batches a step). The ranks' shares of a batch are consecutive
+    # in it, whatever the number of ranks.
     assert data.batch_indices(n, 13, per_step, 0, 1, 3) == draws[13:17]
 
 
+BAD_PROMPTS = {
+    "null": None,
+    "number": 7,
+    "list of strings": ["a", "b"],
+    "empty": "",
+    "blank": "   ",
+    "empty list": [],
+    "bad message": [{"content": "no role"}],
+}
 
 
-@pytest.mark.parametrize("prompt", [None, 7, ["a", "b"], "", "   ", [], [{"content": "no role"}]],
-                         ids=["null", "number", "list of strings", "empty", "blank", "empty list", "bad message"])
+@pytest.mark.parametrize("prompt", list(BAD_PROMPTS.values()), ids=list(BAD_PROMPTS))
 def test_load_refuses_a_prompt_that_is_not_text_or_a_conversation(prompt, tmp_path):
     path = tmp_path / "bad.jsonl"
-    rows = [{"question": "fine?", "answer": "#### 1"}, {"question": prompt, "answer": "#### 2"}]
+    rows = [{"question": "fine?", "answer": "#### 1"},
+            {"question": prompt, "answer": "#### 2"}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(ValueError, match=r"row 1 has prompt .* in column 'question': a prompt must be a non-empty "
-                                         r"string or a conversation"):
+
+    message = (r"row 1 has prompt .* in column 'question': a prompt must be a non-empty "
+               r"string or a conversation")
+    with pytest.raises(ValueError, match=message):
         load_fixtures(str(path))
 
 
 def test_load_names_the_line_of_a_malformed_jsonl(tmp_path):
     path = tmp_path / "broken.jsonl"
-    path.write_text('{"question": "a", "answer": "#### 1"}\n{"question": "b", "answer": \n')
-    with pytest.raises(ValueError, match=r"broken.jsonl: line 2 is not valid JSON .*fix or remove it"):
+    path.write_text('{"question": "a", "answer": "#### 1"}\n'
+                    '{"question": "b", "answer": \n')
+    message = r"broken.jsonl: line 2 is not valid JSON .*fix or remove it"
+    with pytest.raises(ValueError, match=message):
         load_fixtures(str(path))
-    path = tmp_path / "broken.csv"  # other formats: datasets' own reason, in one line
+
+    # other formats: datasets' own reason, in one line
+    path = tmp_path / "broken.csv"
     path.write_text('question,answer\n"a,#### 1\n')
     with pytest.raises(ValueError, match="broken.csv"):
         load_fixtures(str(path))
@@ -183,34 +251,45 @@ def test_load_a_folder_that_is_not_a_dataset_names_it(content, tiny, tmp_path):
         (folder / "weights.bin").write_bytes(b"\0" * 64)
     elif content == "a model":
         folder = tiny[0]
-    with pytest.raises(ValueError, match=f"cannot load dataset {re.escape(repr(str(folder)))}.*check the folder"):
+
+    name = re.escape(repr(str(folder)))
+    with pytest.raises(ValueError, match=f"cannot load dataset {name}.*check the folder"):
         data.load_prompt_dataset(str(folder))
 
 
 def test_load_a_hub_id_offline_is_one_line(monkeypatch):
     import huggingface_hub.constants
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # HF_HUB_OFFLINE=1, read at import time
+
+    # as HF_HUB_OFFLINE=1, which they read at import time
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(ValueError, match=r"cannot load dataset 'no-org/no-data' \(ConnectionError.*offline\?"):
+
+    message = r"cannot load dataset 'no-org/no-data' \(ConnectionError.*offline\?"
+    with pytest.raises(ValueError, match=message):
         data.load_prompt_dataset("no-org/no-data")
 
 
 # -----------------------------------------------------------------------------
-# Model folders: model.load_tokenizer refuses what would crash later (transformers, vLLM, the first forward)
+# Model folders: model.load_tokenizer refuses what would crash later
+# (transformers, vLLM, the first forward)
 
 def broken_model(kind, tiny, tmp_path):
     """A copy of the tiny model's folder with one thing wrong."""
     import shutil
+
     path = tmp_path / kind.replace(" ", "_")
     shutil.copytree(tiny[0], path)
+
     if kind == "config only":
         for f in os.listdir(path):
             if f != "config.json":
                 os.remove(path / f)
     elif kind == "no tokenizer":
-        os.remove(path / "tokenizer.json"), os.remove(path / "tokenizer_config.json")
+        os.remove(path / "tokenizer.json")
+        os.remove(path / "tokenizer_config.json")
     elif kind == "weights cut short":
-        os.truncate(path / "model.safetensors", os.path.getsize(path / "model.safetensors") // 2)
+        weights = path / "model.safetensors"
+        os.truncate(weights, os.path.getsize(weights) // 2)
     elif kind == "header cut short":
         os.truncate(path / "model.safetensors", 100)
     elif kind == "missing shard":
@@ -220,6 +299,7 @@ def broken_model(kind, tiny, tmp_path):
         tok = task.build_tokenizer(task.TEXT_CHARS)
         tok.pad_token = None
         tok.save_pretrained(path)
+
     return str(path)
 
 
@@ -228,8 +308,11 @@ def broken_model(kind, tiny, tmp_path):
     ("no tokenizer", "has no tokenizer"),
     ("weights cut short", "model.safetensors is damaged or cut short"),
     ("header cut short", "model.safetensors is damaged or cut short"),
-    ("missing shard", "shard model-00002-of-00002.safetensors named in model.safetensors.index.json is missing"),
-    ("tokenizer larger than the embedding, no pad", r"its tokenizer has 98 tokens but the model's embedding has 19 rows"),
+    ("missing shard",
+     "shard model-00002-of-00002.safetensors named in model.safetensors.index.json "
+     "is missing"),
+    ("tokenizer larger than the embedding, no pad",
+     r"its tokenizer has 98 tokens but the model's embedding has 19 rows"),
 ])
 def test_load_tokenizer_refuses_a_model_folder_that_would_crash_later(kind, message, tiny, tmp_path):
     path = broken_model(kind, tiny, tmp_path)
@@ -239,28 +322,39 @@ def test_load_tokenizer_refuses_a_model_folder_that_would_crash_later(kind, mess
 
 def test_load_tokenizer_accepts_the_tiny_model(tiny):
     tokenizer, context = model.load_tokenizer(tiny[0])
-    assert len(tokenizer) == len(tiny[2]) and context == 64
+    assert len(tokenizer) == len(tiny[2])
+    assert context == 64
 
 
 def test_load_model_names_weights_that_do_not_load(tiny, tmp_path):
     from model import load_model
+
     path = broken_model("weights cut short", tiny, tmp_path)
-    with pytest.raises(ValueError, match=f"model {re.escape(repr(path))}: cannot load its weights"):
+    message = f"model {re.escape(repr(path))}: cannot load its weights"
+    with pytest.raises(ValueError, match=message):
         load_model(path, torch.float32, torch.device("cpu"))
 
 
 def test_prompt_limit_leaves_room_for_the_completion():
-    assert data.prompt_limit(512, 16, 64) == 48 and data.prompt_limit(8, 16, 64) == 8
-    with pytest.raises(ValueError, match="--max-new-tokens 64 leaves no room for a prompt in the model's context of "
-                                         "64 tokens: lower it"):
+    assert data.prompt_limit(512, 16, 64) == 48
+    assert data.prompt_limit(8, 16, 64) == 8
+
+    message = ("--max-new-tokens 64 leaves no room for a prompt in the model's context "
+               "of 64 tokens: lower it")
+    with pytest.raises(ValueError, match=message):
         data.prompt_limit(512, 64, 64)
+
 
 def test_gsm8k_gold(tmp_path):
     rows = load_fixtures(write_gsm8k_jsonl(tmp_path / "g.jsonl"))
-    assert [data.gsm8k_gold(r["solution"]) for r in rows] == GOLDS
-    # the reward's own gold parsing agrees with gsm8k_gold: the bare gold scores 1, the number before "####" 0
-    assert accuracy_reward([f"\\boxed{{{g}}}" for g in GOLDS], [r["solution"] for r in rows]) == [1.0] * 5
-    assert accuracy_reward(["12", "12", "90", "9", "1200"], [r["solution"] for r in rows]) == [0, 0, 1, 0, 0]
+    solutions = [r["solution"] for r in rows]
+    assert [data.gsm8k_gold(s) for s in solutions] == GOLDS
+
+    # the reward's own gold parsing agrees with gsm8k_gold: the bare gold scores 1,
+    # the number before "####" 0
+    assert accuracy_reward([f"\\boxed{{{g}}}" for g in GOLDS], solutions) == [1.0] * 5
+    assert accuracy_reward(["12", "12", "90", "9", "1200"], solutions) == [0, 0, 1, 0, 0]
+
     with pytest.raises(ValueError, match="no '####' marker"):
         data.gsm8k_gold("The answer is 7.")
 
@@ -270,22 +364,34 @@ def test_gsm8k_gold(tmp_path):
 
 @pytest.mark.parametrize("conversational", [False, True])
 def test_r1_rewards_on_good_badly_formatted_and_wrong_completions(conversational, tmp_path):
-    rows = load_fixtures(write_gsm8k_jsonl(tmp_path / "g.jsonl"))[:2]  # golds 7 and 8
+    # golds 7 and 8
+    rows = load_fixtures(write_gsm8k_jsonl(tmp_path / "g.jsonl"))[:2]
     completions = [
-        "<think>3*4 = 12 pencils, 12 - 5 = 7.</think>\nThe answer is 7.",  # good
-        "<think>Half of 24 is 12, 12 - 4 = 8.</think> 8",  # good, answer right after the tag
-        "3*4 = 12, 12 - 5 = 7. The answer is 7.",  # right answer, no think block
-        "<think>Half of 24 is 12, and 12 - 4 = 8",  # reasoning never closes
-        "<think>3*4 = 12, 12 - 5 = 7.</think>\nThe answer is 12.",  # well formatted, wrong
-        "<think>24 - 4 = 20</think>\n<think>again</think> 20",  # two think blocks, wrong
+        # good
+        "<think>3*4 = 12 pencils, 12 - 5 = 7.</think>\nThe answer is 7.",
+        # good, answer right after the tag
+        "<think>Half of 24 is 12, 12 - 4 = 8.</think> 8",
+        # right answer, no think block
+        "3*4 = 12, 12 - 5 = 7. The answer is 7.",
+        # reasoning never closes
+        "<think>Half of 24 is 12, and 12 - 4 = 8",
+        # well formatted, wrong
+        "<think>3*4 = 12, 12 - 5 = 7.</think>\nThe answer is 12.",
+        # two think blocks, wrong
+        "<think>24 - 4 = 20</think>\n<think>again</think> 20",
     ]
     solutions = [rows[i % 2]["solution"] for i in range(len(completions))]
     if conversational:
         completions = [[{"role": "assistant", "content": c}] for c in completions]
+
     funcs = [think_format_reward, reasoning_accuracy_reward, accuracy_reward]
-    rewards = compute_rewards(funcs, [rows[i % 2]["prompt"] for i in range(6)], completions,
-                              solution=solutions, level=[rows[i % 2]["level"] for i in range(6)])  # (6, 3)
-    assert rewards.tolist() == [[1, 1, 1], [1, 1, 1], [0, 0, 1], [0, 0, 1], [1, 0, 0], [0, 0, 0]]
+    prompts = [rows[i % 2]["prompt"] for i in range(6)]
+    levels = [rows[i % 2]["level"] for i in range(6)]
+    rewards = compute_rewards(funcs, prompts, completions, solution=solutions,
+                              level=levels)  # (6, 3)
+    assert rewards.tolist() == [[1, 1, 1], [1, 1, 1], [0, 0, 1], [0, 0, 1], [1, 0, 0],
+                                [0, 0, 0]]
+
     weighted = rewards[:, :2] @ torch.tensor([0.1, 1.0])  # (6,) the seed's weights
     assert torch.allclose(weighted, torch.tensor([1.1, 1.1, 0, 0, 0.1, 0]))
 
@@ -296,96 +402,141 @@ def test_r1_rewards_on_good_badly_formatted_and_wrong_completions(conversational
 def test_render_through_the_chat_template():
     tok = chat_tokenizer()
     questions = [f["question"] for f in GSM8K_FIXTURES]
+
     texts, conversational = data.render_prompts(tok, questions)
     assert conversational
     assert texts[0] == (f"<|im_start|>system\n{data.DEFAULT_SYSTEM_PROMPT}<|im_end|>\n"
-                        f"<|im_start|>user\n{questions[0]}<|im_end|>\n<|im_start|>assistant\n")
+                        f"<|im_start|>user\n{questions[0]}<|im_end|>\n"
+                        "<|im_start|>assistant\n")
+
     ids = data.encode_prompts(tok, texts, conversational)
     assert [tok.decode(x) for x in ids] == texts
     im_start = tok.convert_tokens_to_ids("<|im_start|>")
-    assert ids[0][0] == im_start and ids[0].count(im_start) == 3  # one token each, not 12 characters
-    assert tok.eos_token == "<|im_end|>" and tok.unk_token_id not in sum(ids, [])  # every character known
-    assert data.render_prompts(tok, ["Q?"], system_prompt="Be brief.")[0] == [
-        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\n"]
-    assert data.render_prompts(tok, ["Q?"], system_prompt=None)[0] == [
-        "<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\n"]
-    own_system = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q?"}]  # kept, not doubled
-    assert data.render_prompts(tok, [own_system])[0][0].count("<|im_start|>system\nS<|im_end|>") == 1
+    # one token each, not 12 characters
+    assert ids[0][0] == im_start
+    assert ids[0].count(im_start) == 3
+    assert tok.eos_token == "<|im_end|>"
+    # every character known
+    assert tok.unk_token_id not in sum(ids, [])
+
+    brief = data.render_prompts(tok, ["Q?"], system_prompt="Be brief.")[0]
+    assert brief == ["<|im_start|>system\nBe brief.<|im_end|>\n"
+                     "<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\n"]
+    no_system = data.render_prompts(tok, ["Q?"], system_prompt=None)[0]
+    assert no_system == ["<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\n"]
+
+    # kept, not doubled
+    own_system = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q?"}]
+    rendered = data.render_prompts(tok, [own_system])[0][0]
+    assert rendered.count("<|im_start|>system\nS<|im_end|>") == 1
 
 
 def test_render_plain_text_without_a_chat_template():
     tok = task.build_tokenizer(task.TEXT_CHARS)
+
     texts, conversational = data.render_prompts(tok, ["What is 2+3?"])
     assert not conversational
     assert texts == [f"{data.DEFAULT_SYSTEM_PROMPT}\n\nUser: What is 2+3?\nAssistant:"]
-    assert data.render_prompts(tok, ["What is 2+3?"], system_prompt="")[0] == ["What is 2+3?"]
+    bare = data.render_prompts(tok, ["What is 2+3?"], system_prompt="")[0]
+    assert bare == ["What is 2+3?"]
+
     with pytest.raises(ValueError, match="no chat template"):
         data.render_prompts(tok, [[{"role": "user", "content": "Q?"}]])
 
 
 def test_encode_prompts_writes_bos_once():
-    tok = chat_tokenizer(bos=True)  # the template writes <s> and so does the tokenizer's post-processor
+    # the template writes <s> and so does the tokenizer's post-processor
+    tok = chat_tokenizer(bos=True)
     bos = tok.bos_token_id
+
     texts, conversational = data.render_prompts(tok, ["Q?"])
-    assert tok(texts[0])["input_ids"][:2] == [bos, bos]  # the trap: plain tokenization doubles it
+    # the trap: plain tokenization doubles it
+    assert tok(texts[0])["input_ids"][:2] == [bos, bos]
     assert data.encode_prompts(tok, texts, conversational)[0].count(bos) == 1
-    assert data.encode_prompts(tok, ["Q?"], False)[0] == [bos] + tok("Q?", add_special_tokens=False)["input_ids"]
+
+    plain = tok("Q?", add_special_tokens=False)["input_ids"]
+    assert data.encode_prompts(tok, ["Q?"], False)[0] == [bos] + plain
 
 
 def test_tokenizer_survives_save_and_auto_reload(tmp_path):
-    # transformers 5 reloads a folder with a qwen2 config as a Qwen2Tokenizer (byte-level pre-tokenizer)
+    # transformers 5 reloads a folder with a qwen2 config as a Qwen2Tokenizer
+    # (byte-level pre-tokenizer)
     from transformers import AutoTokenizer
+
     tok = chat_tokenizer()
     tok.save_pretrained(tmp_path)
     Qwen2Config(vocab_size=len(tok)).save_pretrained(tmp_path)
     reloaded = AutoTokenizer.from_pretrained(tmp_path)
-    text = data.render_prompts(tok, [GSM8K_FIXTURES[3]["question"]])[0][0] + "<think>12 - 3 = 9\n</think> 33"
+
+    prompt = data.render_prompts(tok, [GSM8K_FIXTURES[3]["question"]])[0][0]
+    text = prompt + "<think>12 - 3 = 9\n</think> 33"
     assert reloaded(text)["input_ids"] == tok(text)["input_ids"]
     assert reloaded.decode(tok(text)["input_ids"]) == text
-    assert (reloaded.eos_token_id, reloaded.pad_token_id) == (tok.eos_token_id, tok.pad_token_id) == (3, 0)
+    assert (reloaded.eos_token_id, reloaded.pad_token_id) == (3, 0)
+    assert (tok.eos_token_id, tok.pad_token_id) == (3, 0)
 
 
 def test_default_task_tokenizer_unchanged():
     tok = task.build_tokenizer()
-    assert len(tok) == 2 + len(task.CHARS) and tok.eos_token_id == tok.pad_token_id == 0
-    assert tok.chat_template is None and tok.decode(tok("739>9")["input_ids"]) == "739>9"
+    assert len(tok) == 2 + len(task.CHARS)
+    assert tok.eos_token_id == tok.pad_token_id == 0
+    assert tok.chat_template is None
+    assert tok.decode(tok("739>9")["input_ids"]) == "739>9"
 
 
 # -----------------------------------------------------------------------------
 # A learned reward model as a reward function
 
 def save_reward_model(directory, tokenizer, num_labels=1, seed=0):
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024,
-                         num_labels=num_labels, pad_token_id=tokenizer.pad_token_id)  # head_dim 32
+    # head_dim 32
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, max_position_embeddings=1024,
+                         num_labels=num_labels, pad_token_id=tokenizer.pad_token_id)
+
     torch.manual_seed(seed)
     Qwen2ForSequenceClassification(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return str(directory)
 
 
-PROMPTS = [GSM8K_FIXTURES[0]["question"]] * 3 + [[{"role": "user", "content": GSM8K_FIXTURES[2]["question"]}]]
+PROMPTS = [GSM8K_FIXTURES[0]["question"]] * 3 + [
+    [{"role": "user", "content": GSM8K_FIXTURES[2]["question"]}]]
 COMPLETIONS = ["<think>12 - 5 = 7</think> 7", "<think>no idea</think> 12", "7",
                [{"role": "assistant", "content": "<think>15*6 = 90</think> 90"}]]
 
 
 @pytest.mark.parametrize("with_template", [True, False])
 def test_reward_model_scores(with_template, tmp_path):
-    tok = chat_tokenizer() if with_template else task.build_tokenizer(task.TEXT_CHARS)
+    if with_template:
+        tok = chat_tokenizer()
+    else:
+        tok = task.build_tokenizer(task.TEXT_CHARS)
     path = save_reward_model(tmp_path / "rm", tok)
+
     fn = get_reward_model_func(path, batch_size=3, device="cpu")
     assert fn.__name__ == "reward_model_rm"
     scores = fn(completions=COMPLETIONS, prompts=PROMPTS)
-    assert len(scores) == 4 and all(isinstance(s, float) for s in scores)
-    assert fn(completions=COMPLETIONS, prompts=PROMPTS) == scores  # deterministic: eval mode
-    assert len(set(scores)) == 4  # the completion matters
-    # padding in a batch of 3 (right padding) changes nothing against one sequence at a time
-    one_by_one = get_reward_model_func(path, batch_size=1, device="cpu")(completions=COMPLETIONS, prompts=PROMPTS)
+    assert len(scores) == 4
+    assert all(isinstance(s, float) for s in scores)
+    # deterministic: eval mode
+    assert fn(completions=COMPLETIONS, prompts=PROMPTS) == scores
+    # the completion matters
+    assert len(set(scores)) == 4
+
+    # padding in a batch of 3 (right padding) changes nothing against one sequence
+    # at a time
+    one_at_a_time = get_reward_model_func(path, batch_size=1, device="cpu")
+    one_by_one = one_at_a_time(completions=COMPLETIONS, prompts=PROMPTS)
     assert torch.allclose(torch.tensor(scores), torch.tensor(one_by_one), atol=1e-5)
+
     # by hand: render the pair, run the model, read the logit at the last token
     model = Qwen2ForSequenceClassification.from_pretrained(path).eval()
-    text = (f"<|im_start|>user\n{PROMPTS[0]}<|im_end|>\n<|im_start|>assistant\n{COMPLETIONS[0]}<|im_end|>\n"
-            if with_template else PROMPTS[0] + COMPLETIONS[0])
+    if with_template:
+        text = (f"<|im_start|>user\n{PROMPTS[0]}<|im_end|>\n"
+                f"<|im_start|>assistant\n{COMPLETIONS[0]}<|im_end|>\n")
+    else:
+        text = PROMPTS[0] + COMPLETIONS[0]
     with torch.no_grad():
         expected = model(torch.tensor([tok(text)["input_ids"]])).logits[0, 0].item()
     assert scores[0] == pytest.approx(expected, abs=1e-5)
@@ -395,8 +546,11 @@ def test_reward_model_mixes_with_a_rule_reward(tmp_path):
     path = save_reward_model(tmp_path / "rm", chat_tokenizer())
     funcs = get_reward_funcs(["think_format_reward", path])
     assert [f.__name__ for f in funcs] == ["think_format_reward", "reward_model_rm"]
-    rewards = compute_rewards(funcs, PROMPTS, COMPLETIONS, solution=["#### 7"] * 3 + ["#### 90"])  # (4, 2)
-    assert rewards.shape == (4, 2) and torch.isfinite(rewards).all()
+
+    solutions = ["#### 7"] * 3 + ["#### 90"]
+    rewards = compute_rewards(funcs, PROMPTS, COMPLETIONS, solution=solutions)  # (4, 2)
+    assert rewards.shape == (4, 2)
+    assert torch.isfinite(rewards).all()
     assert rewards[:, 0].tolist() == [1, 1, 0, 1]
     assert rewards[:, 1].tolist() == get_reward_model_func(path)(COMPLETIONS, PROMPTS)
 
@@ -405,7 +559,10 @@ def test_reward_model_errors(tmp_path):
     path = save_reward_model(tmp_path / "two_labels", chat_tokenizer(), num_labels=2)
     with pytest.raises(ValueError, match="has 2 labels; a reward model needs 1"):
         get_reward_funcs([path])
+
     with pytest.raises(ValueError, match="reward model '/no/such/rm': cannot load"):
         get_reward_funcs(["/no/such/rm"])
-    with pytest.raises(ValueError, match="unknown reward function 'no_such_reward'.*hub id"):
+
+    message = "unknown reward function 'no_such_reward'.*hub id"
+    with pytest.raises(ValueError, match=message):
         get_reward_funcs(["no_such_reward"])

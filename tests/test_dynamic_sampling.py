@@ -1,7 +1,11 @@
-"""DAPO dynamic sampling (train.py --dynamic-sampling, advantage.dynamic_sampling): in-process, which groups a step keeps
-from its rounds; end to end on 2 ranks, with a reward whose zero-spread groups are known from the prompts, the rounds
-and kept groups of every step, and a resume from a checkpoint that is bit-identical to the run that went straight on.
-The same 2-rank run also checks pass@k end to end (tests/test_pass_at_k.py holds the estimator's own tests)."""
+"""DAPO dynamic sampling (train.py --dynamic-sampling, advantage.dynamic_sampling).
+
+In-process: which groups a step keeps from its rounds. End to end on 2 ranks, with
+a reward whose zero-spread groups are known from the prompts: the rounds and kept
+groups of every step, and a resume from a checkpoint that is bit-identical to the
+run that went straight on. The same 2-rank run also checks pass@k end to end
+(tests/test_pass_at_k.py holds the estimator's own tests).
+"""
 import math
 import shutil
 
@@ -16,22 +20,30 @@ from helpers import run_train, without_timings
 from known_rewards import EVAL_SAMPLES, correct_samples, informative
 from rollout import Rollout
 
-pytestmark = pytest.mark.xdist_group("test_dynamic_sampling")  # one worker builds the 2-rank run once (--dist loadgroup)
+# one worker builds the 2-rank run once (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("test_dynamic_sampling")
 
 PAD = 0
 
 
 def make_round(prompts, rewards, G, T):
-    """One round of a rank: (rows, Rollout, rewards (n*G, F)) for the prompts; completion i (the g-th of its prompt)
-    is token 10 * (its prompt's index) + g + 1, 1 + i % T times; rewards: one list of F values per completion."""
+    """One round of a rank: (rows, Rollout, rewards (n*G, F)) for the prompts.
+
+    Completion i, the g-th of its prompt, is token 10 * (its prompt's index) + g + 1,
+    1 + i % T times. rewards: one list of F values per completion.
+    """
     rows = [{"prompt": p} for p in prompts for _ in range(G)]
     ids = torch.full((len(rows), T), PAD)  # (N, T)
     mask = torch.zeros(len(rows), T)  # (N, T)
+
     for i in range(len(rows)):
         length = 1 + i % T
-        ids[i, :length], mask[i, :length] = 10 * (i // G) + i % G + 1, 1
-    rollout = Rollout([[ord(p[0])] for p in prompts for _ in range(G)], ids, mask, mask * -0.5, mask[:, -1] == 0,
-                      [f"{p}#{g}" for p in prompts for g in range(G)])
+        ids[i, :length] = 10 * (i // G) + i % G + 1
+        mask[i, :length] = 1
+
+    prompt_ids = [[ord(p[0])] for p in prompts for _ in range(G)]
+    texts = [f"{p}#{g}" for p in prompts for g in range(G)]
+    rollout = Rollout(prompt_ids, ids, mask, mask * -0.5, mask[:, -1] == 0, texts)
     return rows, rollout, torch.tensor(rewards, dtype=torch.float32)
 
 
@@ -40,28 +52,54 @@ def groups_of(rollout, G):
 
 
 def test_keeps_informative_groups_in_order_and_pads_rounds_to_one_length():
-    """Spread is judged on the weighted total (two functions that disagree can sum to equal totals); a quota of 3
-    groups takes 3 rounds here, and the groups of rounds of different lengths come out padded to the longest."""
-    G, nan = 2, float("nan")
-    r1 = make_round(["a", "b", "c"], [[1, 0], [0, 0], [1, 1], [1, 1], [0, 1], [1, 0]], G, T=3)
-    # totals (weights 1, 1): a 1, 0 (spread); b 2, 2 (equal); c 1, 1 (equal, though each function's spread)
-    assert dynamic_sampling([r1], 3, G, [1.0, 1.0], PAD) is None  # 1 of a quota of 3: another round
-    r2 = make_round(["d", "e", "f"], [[0, 0], [2, 0], [nan, nan], [nan, nan], [5, 0], [0, 5]], G, T=5)
+    """Spread is judged on the weighted total, and rounds are padded to one length.
+
+    Two functions that disagree can sum to equal totals. A quota of 3 groups takes
+    3 rounds here, and the groups of rounds of different lengths come out padded to
+    the longest.
+    """
+    G = 2
+    nan = float("nan")
+    weights = [1.0, 1.0]
+
+    r1_rewards = [[1, 0], [0, 0], [1, 1], [1, 1], [0, 1], [1, 0]]
+    r1 = make_round(["a", "b", "c"], r1_rewards, G, T=3)
+    # totals (weights 1, 1): a 1, 0 (spread); b 2, 2 (equal);
+    # c 1, 1 (equal, though each function's spread)
+    # 1 of a quota of 3: another round
+    assert dynamic_sampling([r1], 3, G, weights, PAD) is None
+
+    r2_rewards = [[0, 0], [2, 0], [nan, nan], [nan, nan], [5, 0], [0, 5]]
+    r2 = make_round(["d", "e", "f"], r2_rewards, G, T=5)
     # d 0, 2 (spread); e no reward at all (no spread); f 5, 5 (equal)
-    assert dynamic_sampling([r1, r2], 3, G, [1.0, 1.0], PAD) is None
-    r3 = make_round(["g", "h", "i"], [[0, 0], [0, 0], [0, 1], [0, 0], [3, 0], [1, 0]], G, T=2)
-    (rows, rollout, rewards), stats = dynamic_sampling([r1, r2, r3], 3, G, [1.0, 1.0], PAD)
-    assert groups_of(rollout, G) == ["a", "d", "h"]  # the first 3 informative groups, in the order drawn: i dropped
+    assert dynamic_sampling([r1, r2], 3, G, weights, PAD) is None
+
+    r3_rewards = [[0, 0], [0, 0], [0, 1], [0, 0], [3, 0], [1, 0]]
+    r3 = make_round(["g", "h", "i"], r3_rewards, G, T=2)
+    (rows, rollout, rewards), stats = dynamic_sampling([r1, r2, r3], 3, G, weights, PAD)
+
+    # the first 3 informative groups, in the order drawn: i dropped
+    assert groups_of(rollout, G) == ["a", "d", "h"]
     assert stats == dict(ds_rounds=3, ds_groups_generated=9, ds_groups_informative=3)
     assert [r["prompt"] for r in rows] == ["a", "a", "d", "d", "h", "h"]
     assert rollout.prompt_ids == [[ord("a")]] * 2 + [[ord("d")]] * 2 + [[ord("h")]] * 2
-    assert torch.equal(rewards, torch.tensor([[1, 0], [0, 0], [0, 0], [2, 0], [0, 1], [0, 0]], dtype=torch.float32))
-    assert rollout.completion_ids.shape == rollout.completion_mask.shape == rollout.sampling_logps.shape == (6, 5)
-    for k, ((_, part, _), g) in enumerate([(r1, 0), (r2, 0), (r3, 1)]):  # each group against its round's rows
-        src, dst, t = slice(g * G, (g + 1) * G), slice(k * G, (k + 1) * G), part.completion_ids.shape[1]
+    kept = [[1, 0], [0, 0], [0, 0], [2, 0], [0, 1], [0, 0]]
+    assert torch.equal(rewards, torch.tensor(kept, dtype=torch.float32))
+    assert rollout.completion_ids.shape == (6, 5)
+    assert rollout.completion_mask.shape == (6, 5)
+    assert rollout.sampling_logps.shape == (6, 5)
+
+    # each group against its round's rows
+    for k, ((_, part, _), g) in enumerate([(r1, 0), (r2, 0), (r3, 1)]):
+        src = slice(g * G, (g + 1) * G)
+        dst = slice(k * G, (k + 1) * G)
+        t = part.completion_ids.shape[1]
+
         for name in ("completion_ids", "completion_mask", "sampling_logps"):
-            assert torch.equal(getattr(rollout, name)[dst, :t], getattr(part, name)[src]), name
-        assert (rollout.completion_ids[dst, t:] == PAD).all() and (rollout.completion_mask[dst, t:] == 0).all()
+            got = getattr(rollout, name)[dst, :t]
+            assert torch.equal(got, getattr(part, name)[src]), name
+        assert (rollout.completion_ids[dst, t:] == PAD).all()
+        assert (rollout.completion_mask[dst, t:] == 0).all()
         assert (rollout.sampling_logps[dst, t:] == 0).all()
         assert torch.equal(rollout.is_finished[dst], part.is_finished[src])
         assert rollout.texts[dst] == part.texts[src]
@@ -71,8 +109,11 @@ def test_at_the_bound_tops_up_with_zero_spread_groups_of_the_last_round():
     G = 2
     r1 = make_round(["a", "b"], [[1], [0], [1], [1]], G, T=2)  # a spread, b equal
     r2 = make_round(["c", "d"], [[0], [0], [1], [1]], G, T=3)  # both equal
+
     (rows, rollout, rewards), stats = dynamic_sampling([r1, r2], 2, G, [1.0], PAD)
-    assert groups_of(rollout, G) == ["a", "c"]  # a, then c topped up from the last round (b was in round 1)
+
+    # a, then c topped up from the last round (b was in round 1)
+    assert groups_of(rollout, G) == ["a", "c"]
     assert stats == dict(ds_rounds=2, ds_groups_generated=4, ds_groups_informative=1)
     assert rollout.completion_ids.shape == (4, 3)
 
@@ -84,26 +125,43 @@ def test_off_returns_the_one_round_untouched():
 
 # -----------------------------------------------------------------------------
 # End to end: 2 ranks, 6 steps of 4 prompts (2 per rank) x G=4, at most 2 rounds a step
-STEPS, PER_STEP, WORLD, ROUNDS, EVAL_SIZE, SEED = 6, 4, 2, 2, 8, 0
-ARGS = ["--engine", "hf", "--steps", STEPS, "--prompts-per-step", PER_STEP, "--G", 4, "--dynamic-sampling", ROUNDS,
-        "--rewards", "known_rewards.spread_if_first_digit_low", "--save-every", 2, "--keep-last", 10,
+STEPS = 6
+PER_STEP = 4
+WORLD = 2
+ROUNDS = 2
+EVAL_SIZE = 8
+SEED = 0
+ARGS = ["--engine", "hf", "--steps", STEPS, "--prompts-per-step", PER_STEP, "--G", 4,
+        "--dynamic-sampling", ROUNDS,
+        "--rewards", "known_rewards.spread_if_first_digit_low",
+        "--save-every", 2, "--keep-last", 10,
         "--eval-every", 3, "--eval-size", EVAL_SIZE, "--seed", SEED,
-        "--eval-reward", "known_rewards.first_samples_pass", "--eval-samples", EVAL_SAMPLES, "--eval-k", 1, 2, 4]
+        "--eval-reward", "known_rewards.first_samples_pass",
+        "--eval-samples", EVAL_SAMPLES, "--eval-k", 1, 2, 4]
 
 
 def expected_rounds():
-    """[(rounds, informative groups kept)] of each step, replayed from the prompt stream: a round (every rank's
-    share of the next prompts) while any rank holds fewer informative groups than its quota, at most ROUNDS."""
+    """[(rounds, informative groups kept)] of each step, replayed from the prompt stream.
+
+    A round is every rank's share of the next prompts. One is drawn while any rank
+    holds fewer informative groups than its quota, at most ROUNDS.
+    """
     rows = task.make_sort_dataset(3, num_test=EVAL_SIZE, seed=SEED)[0]
-    quota, consumed, steps = PER_STEP // WORLD, 0, []
+    quota = PER_STEP // WORLD
+    consumed = 0
+    steps = []
+
     for _ in range(STEPS):
-        have, rounds = [0] * WORLD, 0
+        have = [0] * WORLD
+        rounds = 0
         while rounds < ROUNDS and (rounds == 0 or min(have) < quota):
             for rank in range(WORLD):
                 idx = data.batch_indices(len(rows), consumed, PER_STEP, rank, WORLD, SEED)
                 have[rank] += sum(informative(rows[i]["prompt"]) for i in idx)
-            consumed, rounds = consumed + PER_STEP, rounds + 1
+            consumed += PER_STEP
+            rounds += 1
         steps.append((rounds, sum(min(h, quota) for h in have)))
+
     return steps
 
 
@@ -117,48 +175,81 @@ def run(tmp_path_factory):
 def test_steps_hold_the_informative_groups_of_their_rounds(run):
     _, _, records = run
     steps = expected_rounds()
-    # the replay covers all three cases: filled in one round, filled in a second round, short at the bound
-    assert (1, PER_STEP) in steps and (2, PER_STEP) in steps and any(kept < PER_STEP for _, kept in steps), steps
+
+    # the replay covers all three cases: filled in one round, filled in a second
+    # round, short at the bound
+    assert (1, PER_STEP) in steps, steps
+    assert (2, PER_STEP) in steps, steps
+    assert any(kept < PER_STEP for _, kept in steps), steps
+
     got = [(r["ds_rounds"], r["ds_groups_informative"]) for r in records[1:]]
     assert got == steps
+
     for r, (rounds, kept) in zip(records[1:], steps):
         assert r["ds_groups_generated"] == rounds * PER_STEP
-        # the batch: the kept groups (rewards 0, 1, 0, 1: mean 1/2) and the topped-up ones (all 0)
+        # the batch: the kept groups (rewards 0, 1, 0, 1: mean 1/2) and the
+        # topped-up ones (all 0)
         assert r["frac_zero_std_groups"] == pytest.approx(1 - kept / PER_STEP)
         assert r["reward_mean"] == pytest.approx(0.5 * kept / PER_STEP)
 
 
 def test_resume_with_dynamic_sampling_is_bit_identical(run, tmp_path):
-    """Resume from the step-2 checkpoint: the prompts consumed come back with it (steps 1-2 drew 3 rounds, not 2),
-    so the rest of the run draws, logs and trains exactly as the run that went straight on."""
+    """Resume from the step-2 checkpoint: the run goes on exactly as the straight one.
+
+    The prompts consumed come back with the checkpoint (steps 1-2 drew 3 rounds,
+    not 2). So the rest of the run draws, logs and trains exactly as the run that
+    went straight on.
+    """
     out, _, straight = run
+
     crashed = tmp_path / "crashed"
     shutil.copytree(out, crashed)
     shutil.rmtree(crashed / "model")
     for step in (4, 6):
         shutil.rmtree(crashed / "checkpoints" / f"step_{step:06d}")
+
     _, log, resumed = run_train(ARGS, crashed, nproc=WORLD)
     assert "(step 2)" in log and "resuming from" in log, log[-2000:]
-    assert without_timings(resumed) == without_timings(straight) and len(resumed) == STEPS + 1
-    a, b = load_file(out / "model" / "model.safetensors"), load_file(crashed / "model" / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert without_timings(resumed) == without_timings(straight)
+    assert len(resumed) == STEPS + 1
+
+    a = load_file(out / "model" / "model.safetensors")
+    b = load_file(crashed / "model" / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_pass_at_k_of_known_rewards_over_prompts_and_ranks(run):
-    """first_samples_pass passes c(p) of the EVAL_SAMPLES samples of held-out prompt p (and the greedy completion
-    when c(p) >= 1): every evaluation logs the mean over all ranks' prompts of 1 - C(n-c, k) / C(n, k)."""
+    """Every evaluation logs pass@k, the mean over all ranks' prompts.
+
+    first_samples_pass passes c(p) of the EVAL_SAMPLES samples of held-out prompt
+    p, and the greedy completion when c(p) >= 1. pass@k is the mean over all ranks'
+    prompts of 1 - C(n-c, k) / C(n, k).
+    """
     _, log, records = run
-    prompts = [r["prompt"] for r in task.make_sort_dataset(3, num_test=EVAL_SIZE, seed=SEED)[1]]
-    for rank in range(WORLD):  # a rank's share has no prompt twice in a row: first_samples_pass counts runs
+    held_out = task.make_sort_dataset(3, num_test=EVAL_SIZE, seed=SEED)[1]
+    prompts = [r["prompt"] for r in held_out]
+
+    # a rank's share has no prompt twice in a row: first_samples_pass counts runs
+    for rank in range(WORLD):
         share = prompts[rank::WORLD]
         assert all(a != b for a, b in zip(share, share[1:]))
+
     c = [correct_samples(p) for p in prompts]
-    assert 0 in c and EVAL_SAMPLES in c  # c = 0 and c = n among them
+    # c = 0 and c = n among them
+    assert 0 in c and EVAL_SAMPLES in c
+
     n = EVAL_SAMPLES
-    expected = {f"pass@{k}": sum(1 - math.comb(n - ci, k) / math.comb(n, k) for ci in c) / len(c) for k in (1, 2, 4)}
-    expected |= dict(eval_greedy=sum(ci >= 1 for ci in c) / len(c), eval_sampled=sum(c) / (n * len(c)))
+    expected = {}
+    for k in (1, 2, 4):
+        passes = [1 - math.comb(n - ci, k) / math.comb(n, k) for ci in c]
+        expected[f"pass@{k}"] = sum(passes) / len(c)
+    expected["eval_greedy"] = sum(ci >= 1 for ci in c) / len(c)
+    expected["eval_sampled"] = sum(c) / (n * len(c))
+
     evals = [r for r in records if "eval_greedy" in r]
     assert [r["step"] for r in evals] == [0, 3, 6]
     for r in evals:
         assert {k: r[k] for k in expected} == pytest.approx(expected), r
-    assert f"pass@1 {expected['pass@1']:.3f} pass@2 {expected['pass@2']:.3f} pass@4" in log
+    line = f"pass@1 {expected['pass@1']:.3f} pass@2 {expected['pass@2']:.3f} pass@4"
+    assert line in log

@@ -1,4 +1,10 @@
-"""What importing a module drags in, checked in a fresh interpreter (the test process has imported everything)."""
+"""What importing a module drags in, and the shape of the project's imports.
+
+The first checks run in a fresh interpreter, since the test process has imported
+everything. The last ones read the import statements of the project's modules.
+"""
+import ast
+import os
 import subprocess
 import sys
 
@@ -6,7 +12,8 @@ from helpers import ENV, ROOT
 
 NO_TRITON = """
 import importlib.abc, sys
-class NoTriton(importlib.abc.MetaPathFinder):  # this interpreter is a machine without Triton
+# this interpreter is a machine without Triton
+class NoTriton(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
         if name.split(".")[0] == "triton":
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
@@ -15,30 +22,45 @@ sys.meta_path.insert(0, NoTriton())
 
 
 def run_fresh(code):
-    """Run code in a new interpreter from the repo root, as `python train.py` would see the modules."""
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**ENV, "PYTHONPATH": ROOT},
-                          capture_output=True, text=True, timeout=120)
+    """Run code in a new interpreter from the repo root, as `python train.py` would see
+    the modules."""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT,
+                          env={**ENV, "PYTHONPATH": ROOT}, capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
 def test_training_without_triton(tmp_path):
-    """transformers probes the module name `kernels` (the HF kernels hub package) when it loads a model and,
-    from the repo root, imports ours: kernels/__init__.py must not import Triton, or a machine without it
-    cannot load a model at all. (With Triton installed torch's dynamo imports it anyway, so the check here
-    is that our kernel module stays unloaded.)"""
+    """A machine without Triton can still load a model and train on the CPU.
+
+    transformers probes the module name `kernels` (the HF kernels hub package) when
+    it loads a model, and from the repo root it imports ours. So kernels/__init__.py
+    must not import Triton, or a machine without it cannot load a model at all.
+    With Triton installed, torch's dynamo imports it anyway: the check here is that
+    our kernel module stays unloaded.
+    """
     run_fresh(NO_TRITON + f"""
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
-config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                     num_attention_heads=2, num_key_value_heads=1)
+config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
 Qwen2ForCausalLM(config).save_pretrained({str(tmp_path)!r})
 model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})
-import kernels, loss
+
+import batch, kernels, loss
 logits = model(torch.tensor([[1, 2, 3]])).logits  # (1, 3, V)
-loss.policy_loss(logits, torch.tensor([[4, 5, 6]]), torch.ones(1), torch.ones(1, 3), minibatch_size=1,
-                 minibatch_tokens=torch.tensor(3.0), impl=loss.resolve_impl("auto", "cpu"))[0].backward()
+impl, _ = loss.choose_impl("auto", "cpu")
+rows = batch.UpdateBatch(completion_ids=torch.tensor([[4, 5, 6]]),
+                         completion_mask=torch.ones(1, 3), advantages=torch.ones(1),
+                         sampling_logps=None)
+settings = loss.LossSettings(impl=impl)
+out = loss.policy_loss(logits, rows, settings, minibatch_size=1,
+                       minibatch_tokens=torch.tensor(3.0))
+out[0].backward()
 assert "kernels.grpo" not in sys.modules
-try:  # the kernel itself still needs Triton: the error comes at first use
+
+# the kernel itself still needs Triton: the error comes at first use
+try:
     from kernels import fused_grpo_token_loss
     raise AssertionError("imported the kernel without Triton")
 except ModuleNotFoundError as e:
@@ -47,25 +69,123 @@ except ModuleNotFoundError as e:
 
 
 def test_loading_a_model_leaves_the_kernel_unloaded(tmp_path):
-    """With Triton installed: transformers' probe imports our package but not kernels/grpo.py."""
+    """With Triton installed, transformers' probe imports our package.
+
+    It does not import kernels/grpo.py.
+    """
     run_fresh(f"""
 import sys
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
-config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                     num_attention_heads=2, num_key_value_heads=1)
+config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
 Qwen2ForCausalLM(config).save_pretrained({str(tmp_path)!r})
 AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})
 assert "kernels.grpo" not in sys.modules, "loading a model imported kernels/grpo.py"
-from kernels import fused_grpo_token_loss  # and the lazy import still works
+
+# and the lazy import still works
+from kernels import fused_grpo_token_loss
 assert "kernels.grpo" in sys.modules
 """)
 
 
 def test_stage_modules_import_no_other_stage():
-    """loss, reward and advantage are tensor-in/tensor-out stages: importing them loads no other stage."""
+    """loss, reward and advantage are tensor-in/tensor-out stages.
+
+    Importing them loads no other stage.
+    """
     run_fresh("""
 import sys
 import advantage, loss, reward
 loaded = {"rollout", "train", "task", "server", "checkpoint"} & set(sys.modules)
 assert not loaded, f"imported {sorted(loaded)}"
 """)
+
+
+# -----------------------------------------------------------------------------
+# The import graph, read from the source: the project's modules at the repo root
+# and in kernels/
+
+def project_modules():
+    """{module name: its file} for the project's own modules (tests and bench aside)."""
+    modules = {}
+    for name in sorted(os.listdir(ROOT)):
+        if name.endswith(".py"):
+            modules[name[:-3]] = os.path.join(ROOT, name)
+
+    kernels = os.path.join(ROOT, "kernels")
+    modules["kernels"] = os.path.join(kernels, "__init__.py")
+    for name in sorted(os.listdir(kernels)):
+        if name.endswith(".py") and name != "__init__.py":
+            modules[f"kernels.{name[:-3]}"] = os.path.join(kernels, name)
+
+    return modules
+
+
+def module_level(nodes):
+    """The import statements among nodes that run when the module is imported.
+
+    These are the imports at module level, in its if/try/with blocks and in class
+    bodies. An import inside a function runs at its first call, and cannot close a
+    cycle at import time.
+    """
+    for node in nodes:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+            continue
+
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            yield from module_level(getattr(node, field, []))
+
+
+def top_level_imports(path, modules):
+    """The project modules that the file at path imports when it is imported."""
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    in_kernels = os.path.basename(os.path.dirname(path)) == "kernels"
+    package = "kernels" if in_kernels else ""
+
+    found = set()
+    for node in module_level(tree.body):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            base = node.module or ""
+            if node.level:
+                base = f"{package}.{base}" if base else package
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        found.update(n for n in names if n in modules)
+
+    return found
+
+
+def import_graph():
+    modules = project_modules()
+    return {name: top_level_imports(path, modules) for name, path in modules.items()}
+
+
+def test_common_is_a_leaf():
+    """common.py imports nothing from the project: every other module may import it."""
+    assert import_graph()["common"] == set()
+
+
+def test_no_import_cycles():
+    """The project's module-level imports run one way: no module imports itself back."""
+    graph = import_graph()
+    done = set()
+
+    def visit(name, path):
+        if name in path:
+            cycle = path[path.index(name):] + [name]
+            raise AssertionError("import cycle: " + " -> ".join(cycle))
+        if name in done:
+            return
+
+        for imported in sorted(graph[name]):
+            if imported != name:
+                visit(imported, path + [name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])

@@ -1,8 +1,14 @@
-"""Loss bookkeeping over 2 ranks (torchrun, gloo on CPU): with DDP averaging the gradients, each loss type's
-minibatch loss over every rank's completions is what one process would compute on all of them at once, whatever
-each rank's token count, and so are the logged loss, kl and entropy (loss.step_metrics). The batch-level masks too:
-the entropy quantile is over both ranks' tokens, truncated completions leave both ranks' normaliser, and the masks'
-metrics (a max among them) are the one process's. This file is both the pytest test and the script it launches:
+"""Loss bookkeeping over 2 ranks (torchrun, gloo on CPU).
+
+With DDP averaging the gradients, each loss type's minibatch loss over every
+rank's completions is what one process would compute on all of them at once,
+whatever each rank's token count. So are the logged loss, kl and entropy
+(metrics.step_metrics).
+
+The batch-level masks too: the entropy quantile is over both ranks' tokens,
+truncated completions leave both ranks' normaliser, and the masks' metrics (a
+max among them) are the one process's. This file is both the pytest test and
+the script it launches:
 
     python -m pytest -q tests/test_loss_2ranks.py
     torchrun --standalone --nproc_per_node 2 tests/test_loss_2ranks.py   # what it runs
@@ -11,12 +17,19 @@ import copy
 import gc
 import os
 import sys
+import types
 
 import torch
 
 from helpers import run_two_rank_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+H = 8  # the policy's hidden size
+V = 32
+T = 5
+N = 4  # completions per rank, in micro-batches of 2
+# the settings of every run below
+SETTINGS = dict(beta=0.04, entropy_coef=0.01, max_completion_length=T, temperature=0.7)
 
 
 def test_two_ranks_match_one_process():
@@ -26,97 +39,178 @@ def test_two_ranks_match_one_process():
 # -----------------------------------------------------------------------------
 # the per-rank script
 
-def main():
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
+def flat(x):
+    """(W, n, ...) -> (W * n, ...): every rank's rows as one process's."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(1)
-    sys.path.insert(0, REPO)
-    from loss import step_metrics
-    from loss import LOSS_TYPES, minibatch_tokens, policy_loss
-    from reduction import high_entropy_mask
 
-    H, V, T, n = 8, 32, 5, 4  # n completions per rank, micro-batches of 2
+def make_inputs(world):
+    """The policy and every rank's completions, the same on every rank.
+
+    Rank r trains on [r] of each (W, n, ...) tensor.
+    """
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    layer = torch.nn.Linear(H, V)  # the "policy": hidden states -> logits (the same on both ranks)
-    hidden = torch.randn(world, n, T, H, generator=g)  # (W, n, T, H): rank r trains on [r]
-    ids = torch.randint(V, (world, n, T), generator=g)  # (W, n, T)
-    lengths = torch.tensor([[5, 1, 2, 5], [1, 1, 3, 1]])  # rank 0 has 13 tokens, rank 1 has 6
-    mask = (torch.arange(T) < lengths.unsqueeze(-1)).float()  # (W, n, T)
-    advantages = torch.randn(world, n, generator=g)  # (W, n)
-    ref_logps = -3 + 0.5 * torch.randn(world, n, T, generator=g)  # (W, n, T)
-    kw = dict(beta=0.04, entropy_coef=0.01, max_completion_length=T, temperature=0.7)
-    for loss_type in LOSS_TYPES:
-        model = DDP(copy.deepcopy(layer))
-        tokens = minibatch_tokens(mask[rank])  # a collective: (13 + 6) / 2 on both ranks
-        assert tokens.item() == mask.sum().item() / world
-        micro_metrics = []
-        for i in range(0, n, 2):
-            model.require_backward_grad_sync = i + 2 == n  # reduce once per minibatch, as train.py does
-            r = slice(i, i + 2)
-            loss, metrics = policy_loss(model(hidden[rank, r]), ids[rank, r], advantages[rank, r], mask[rank, r],
-                                        None, ref_logps[rank, r], minibatch_size=n, minibatch_tokens=tokens,
-                                        loss_type=loss_type, **kw)
-            loss.backward()
-            micro_metrics.append(metrics)
-        # as if 2 optimizer steps: the loss is their mean, so each minibatch counts half of its micro-batches' sum
-        logged = step_metrics(micro_metrics * 2, [torch.tensor(1.0 + 2 * rank), torch.tensor(3.0 + 2 * rank)])
+    x = types.SimpleNamespace()
+    # the "policy": hidden states -> logits (the same on both ranks)
+    x.layer = torch.nn.Linear(H, V)
 
-        one = copy.deepcopy(layer)  # one process, both ranks' completions as one minibatch
-        flat = lambda x: x.reshape(world * n, *x.shape[2:])  # noqa: E731  (W, n, ...) -> (W * n, ...)
-        loss, metrics = policy_loss(one(flat(hidden)), flat(ids), flat(advantages), flat(mask), None, flat(ref_logps),
-                                    minibatch_size=world * n, minibatch_tokens=mask.sum(), loss_type=loss_type, **kw)
-        loss.backward()
-        torch.testing.assert_close(model.module.weight.grad, one.weight.grad, msg=lambda m: f"{loss_type}: {m}")
-        for key in ("loss", "kl", "entropy", "ratio_mean"):
-            assert abs(logged[key] - metrics[key]) < 1e-6, (loss_type, key, logged[key], metrics[key])
-        assert logged["grad_norm"] == 3.0  # rank 0's steps 1 and 3, rank 1's 3 and 5
+    x.hidden = torch.randn(world, N, T, H, generator=g)  # (W, n, T, H)
+    x.ids = torch.randint(V, (world, N, T), generator=g)  # (W, n, T)
+    # rank 0 has 13 tokens, rank 1 has 6
+    lengths = torch.tensor([[5, 1, 2, 5], [1, 1, 3, 1]])
+    x.mask = (torch.arange(T) < lengths.unsqueeze(-1)).float()  # (W, n, T)
+    x.advantages = torch.randn(world, N, generator=g)  # (W, n)
+    x.ref_logps = -3 + 0.5 * torch.randn(world, N, T, generator=g)  # (W, n, T)
 
-    # the batch-level masks: the top 30% of both ranks' 19 tokens by entropy (6 of them)
-    entropies = torch.rand(world, n, T, generator=g)  # (W, n, T)
-    high = high_entropy_mask(entropies[rank], mask[rank], 0.3)  # (n, T) a collective
-    flat = lambda x: x.reshape(world * n, *x.shape[2:])  # noqa: E731  (W, n, ...) -> (W * n, ...)
-    threshold = torch.quantile(entropies[mask.bool()], 0.7)  # one process, all 19 tokens
-    all_high = (entropies >= threshold) & mask.bool()  # (W, n, T)
-    assert torch.equal(high, all_high[rank]) and all_high.sum() == 6, (high, all_high)
-    old_logps = ref_logps + 0.3 * torch.randn(world, n, T, generator=g)  # (W, n, T)
-    sampling_logps = old_logps + 0.3 * torch.randn(world, n, T, generator=g)  # (W, n, T)
-    truncated = torch.tensor([[False, True, False, False], [False, False, False, True]])  # (W, n)
-    knobs = dict(kw, loss_type="dapo", is_correction="sequence_mask", is_max=1.2, off_policy_mask=0.0,
-                 kl_bias_correction=True)
-    model = DDP(copy.deepcopy(layer))
-    tokens = minibatch_tokens(mask[rank], truncated[rank])  # (13 - 1 + 6 - 1) / 2: a collective
-    assert tokens.item() == 17 / 2
+    # for the batch-level masks: (W, n, T) each
+    x.entropies = torch.rand(world, N, T, generator=g)
+    x.old_logps = x.ref_logps + 0.3 * torch.randn(world, N, T, generator=g)
+    x.sampling_logps = x.old_logps + 0.3 * torch.randn(world, N, T, generator=g)
+    x.truncated = torch.tensor([[False, True, False, False], [False, False, False, True]])
+    return x
+
+
+def train_micro_batches(model, x, local, settings, tokens):
+    """This rank's minibatch in micro-batches of 2 -> their metrics.
+
+    local: this rank's UpdateBatch. The gradients are reduced once, after the
+    last micro-batch, as train.py does.
+    """
+    from loss import policy_loss
+
+    rank = torch.distributed.get_rank()
     micro_metrics = []
-    for i in range(0, n, 2):
-        model.require_backward_grad_sync = i + 2 == n
+    for i in range(0, N, 2):
+        model.require_backward_grad_sync = i + 2 == N
         r = slice(i, i + 2)
-        loss, metrics = policy_loss(model(hidden[rank, r]), ids[rank, r], advantages[rank, r], mask[rank, r],
-                                    old_logps[rank, r], ref_logps[rank, r], sampling_logps[rank, r],
-                                    minibatch_size=n, minibatch_tokens=tokens, truncated=truncated[rank, r],
-                                    high_entropy=high[r], **knobs)
+        loss, metrics = policy_loss(model(x.hidden[rank, r]), local.rows(r), settings,
+                                    minibatch_size=N, minibatch_tokens=tokens)
         loss.backward()
         micro_metrics.append(metrics)
-    logged = step_metrics(micro_metrics, [torch.tensor(1.0)])
-    one = copy.deepcopy(layer)
-    loss, metrics = policy_loss(one(flat(hidden)), flat(ids), flat(advantages), flat(mask), flat(old_logps),
-                                flat(ref_logps), flat(sampling_logps), minibatch_size=world * n,
-                                minibatch_tokens=flat(mask)[~flat(truncated)].sum(), truncated=flat(truncated),
-                                high_entropy=flat(all_high), **knobs)
+    return micro_metrics
+
+
+def check_loss_type(loss_type, x):
+    """One loss type on 2 ranks against one process on both ranks' rows."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from batch import UpdateBatch
+    from loss import LossSettings, policy_loss
+    from metrics import step_metrics
+    from reduction import minibatch_tokens
+
+    rank = torch.distributed.get_rank()
+    world = torch.distributed.get_world_size()
+    settings = LossSettings(loss_type=loss_type, **SETTINGS)
+
+    # 2 ranks
+    model = DDP(copy.deepcopy(x.layer))
+    tokens = minibatch_tokens(x.mask[rank])  # a collective: (13 + 6) / 2 on both ranks
+    assert tokens.item() == x.mask.sum().item() / world
+    local = UpdateBatch(completion_ids=x.ids[rank], completion_mask=x.mask[rank],
+                        advantages=x.advantages[rank], sampling_logps=None,
+                        ref_logps=x.ref_logps[rank])
+    micro_metrics = train_micro_batches(model, x, local, settings, tokens)
+    # as if 2 optimizer steps: the loss is their mean, so each minibatch counts
+    # half of its micro-batches' sum
+    grad_norms = [torch.tensor(1.0 + 2 * rank), torch.tensor(3.0 + 2 * rank)]
+    logged = step_metrics(micro_metrics * 2, grad_norms)
+
+    # one process, both ranks' completions as one minibatch
+    one = copy.deepcopy(x.layer)
+    everything = UpdateBatch(completion_ids=flat(x.ids), completion_mask=flat(x.mask),
+                             advantages=flat(x.advantages), sampling_logps=None,
+                             ref_logps=flat(x.ref_logps))
+    loss, metrics = policy_loss(one(flat(x.hidden)), everything, settings,
+                                minibatch_size=world * N, minibatch_tokens=x.mask.sum())
     loss.backward()
+
+    torch.testing.assert_close(model.module.weight.grad, one.weight.grad,
+                               msg=lambda m: f"{loss_type}: {m}")
+    for key in ("loss", "kl", "entropy", "ratio_mean"):
+        assert abs(logged[key] - metrics[key]) < 1e-6, (loss_type, key, logged[key],
+                                                        metrics[key])
+    # rank 0's steps 1 and 3, rank 1's 3 and 5
+    assert logged["grad_norm"] == 3.0
+
+
+def check_batch_masks(x):
+    """The top 30% of both ranks' 19 tokens by entropy (6 of them), truncated
+    completions, and the sampler's knobs: 2 ranks against one process."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from batch import UpdateBatch, high_entropy_mask
+    from loss import LossSettings, policy_loss
+    from metrics import step_metrics
+    from reduction import minibatch_tokens
+
+    rank = torch.distributed.get_rank()
+    world = torch.distributed.get_world_size()
+
+    # the entropy mask: a collective, against one process's, over all 19 tokens
+    high = high_entropy_mask(x.entropies[rank], x.mask[rank], 0.3)  # (n, T)
+    threshold = torch.quantile(x.entropies[x.mask.bool()], 0.7)
+    all_high = (x.entropies >= threshold) & x.mask.bool()  # (W, n, T)
+    assert torch.equal(high, all_high[rank]) and all_high.sum() == 6, (high, all_high)
+
+    settings = LossSettings(loss_type="dapo", is_correction="sequence_mask", is_max=1.2,
+                            off_policy_mask=0.0, kl_bias_correction=True, **SETTINGS)
+
+    # 2 ranks
+    model = DDP(copy.deepcopy(x.layer))
+    # (13 - 1 + 6 - 1) / 2: a collective
+    tokens = minibatch_tokens(x.mask[rank], x.truncated[rank])
+    assert tokens.item() == 17 / 2
+    local = UpdateBatch(completion_ids=x.ids[rank], completion_mask=x.mask[rank],
+                        advantages=x.advantages[rank],
+                        sampling_logps=x.sampling_logps[rank],
+                        old_logps=x.old_logps[rank], ref_logps=x.ref_logps[rank],
+                        truncated=x.truncated[rank], high_entropy=high)
+    micro_metrics = train_micro_batches(model, x, local, settings, tokens)
+    logged = step_metrics(micro_metrics, [torch.tensor(1.0)])
+
+    # one process
+    one = copy.deepcopy(x.layer)
+    everything = UpdateBatch(completion_ids=flat(x.ids), completion_mask=flat(x.mask),
+                             advantages=flat(x.advantages),
+                             sampling_logps=flat(x.sampling_logps),
+                             old_logps=flat(x.old_logps), ref_logps=flat(x.ref_logps),
+                             truncated=flat(x.truncated), high_entropy=flat(all_high))
+    all_tokens = flat(x.mask)[~flat(x.truncated)].sum()
+    loss, metrics = policy_loss(one(flat(x.hidden)), everything, settings,
+                                minibatch_size=world * N, minibatch_tokens=all_tokens)
+    loss.backward()
+
     torch.testing.assert_close(model.module.weight.grad, one.weight.grad)
-    for key in ("frac_masked_truncated", "frac_is_masked", "frac_off_policy_masked", "frac_low_entropy"):
-        assert 0 < metrics[key] < 1, (key, metrics[key])  # each mask drops some tokens, not all
+    knobs = ("frac_masked_truncated", "frac_is_masked", "frac_off_policy_masked",
+             "frac_low_entropy")
+    for key in knobs:
+        # each mask drops some tokens, not all
+        assert 0 < metrics[key] < 1, (key, metrics[key])
     for key, value in metrics.items():
         if key != "tokens":  # is_ratio_max too: the max over both ranks
             assert abs(logged[key] - value) < 1e-6, (key, logged[key], value)
+
+
+def main():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    sys.path.insert(0, REPO)
+    from config import LOSS_TYPES
+
+    x = make_inputs(dist.get_world_size())
+    for loss_type in LOSS_TYPES:
+        check_loss_type(loss_type, x)
+    check_batch_masks(x)
     print(f"rank {rank} PASS", flush=True)
-    # free the DDP models (the earlier ones are cyclic garbage) while the group lives: one left for the exit hung
-    # 15-25 % of warm runs (zygote.py) in gloo's teardown, ~ProcessGroupGloo joining a thread that needs the GIL
-    del model
+
+    # Free the DDP models (the earlier ones are cyclic garbage) while the group
+    # lives: one left for the exit hung 15-25 % of warm runs (zygote.py) in
+    # gloo's teardown, ~ProcessGroupGloo joining a thread that needs the GIL.
     gc.collect()
     dist.destroy_process_group()
 

