@@ -119,6 +119,11 @@ def minibatch_tokens(mask, truncated=None):
     tokens = kept_mask(mask, truncated).sum().float()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tokens)
+
+    # --mask-truncated can leave a minibatch with no kept token. Its loss is
+    # then 0, not 0 / 0 = NaN.
+    tokens = tokens.clamp(min=1.0)
+    if dist.is_initialized() and dist.get_world_size() > 1:
         tokens = tokens / dist.get_world_size()
     return tokens
 

@@ -873,6 +873,32 @@ def test_truncated_completions_leave_the_loss():
     assert minibatch_tokens(mask, truncated).item() == mask.sum().item() - 3
 
 
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_a_minibatch_of_only_truncated_completions_has_loss_zero(loss_type):
+    """--mask-truncated can drop every completion of a minibatch.
+
+    Its token count would be 0, and the dapo-style reductions 0 / 0 = NaN (a
+    run with --kl-bias-correction --mask-truncated --dynamic-sampling 3 once
+    stopped at step 7 on it). The loss is 0, with zero gradient.
+    """
+    logps, old, ref, adv, mask, ent, _ = _gradcheck_inputs()
+    logps = logps.detach().float().requires_grad_()
+    truncated = torch.ones(mask.shape[0], dtype=torch.bool)
+
+    tokens = minibatch_tokens(mask, truncated)
+    assert tokens.item() == 1.0
+
+    loss, _ = call_grpo_loss(logps, old.float(), ref.float(), adv.float(), mask,
+                             loss_type=loss_type, truncated=truncated,
+                             entropies=ent.float(), beta=0.04, kl_bias_correction=True,
+                             entropy_coef=0.01, num_items=tokens, num_sequences=4,
+                             max_completion_length=8)
+    assert loss.item() == 0.0
+
+    loss.backward()
+    assert torch.equal(logps.grad, torch.zeros_like(logps))
+
+
 def test_high_entropy_mask_keeps_the_top_quantile():
     """Entropies 0..9 at 10 unmasked tokens, and masked ones higher still.
 
