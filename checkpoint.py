@@ -7,7 +7,10 @@ They are written so that a crash never passes for one.
                         vLLM load it); with LoRA the merged weights, and
                         model/adapter/ (what a resume loads)
         trainer.pt      optimizer state, step, optimizer step, prompts consumed,
-                        run configuration
+                        run configuration, --adaptive-entropy's coefficient and
+                        last measured entropy
+        reference.pt    with --sync-ref-every: the reference's weights, which
+                        TR-DPO moves away from the initial model
         rng_rank{R}.pt  rank R's RNG states (python, numpy, torch, cuda), engine
                         state, and with --async its next batch, already sampled
                         (a resumed run trains on it too)
@@ -286,11 +289,13 @@ def _fsync(path):
 
 
 def save(root, step, model, optimizer, engine, tokenizer, trainer_state, keep_last,
-         device, pending=None):
+         device, pending=None, reference=None):
     """Write checkpoint step_N under root. A collective.
 
     Every rank writes its RNG file (and pending: this rank's next batch, with
-    --async), FSDP2 gathers the shards, and rank 0 writes the rest.
+    --async), FSDP2 gathers the shards, and rank 0 writes the rest. reference:
+    the reference model when it is no longer the initial one (--sync-ref-every),
+    else None.
     """
     path = os.path.join(root, f"step_{step:06d}")
     tmp = path + ".tmp"
@@ -315,6 +320,9 @@ def save(root, step, model, optimizer, engine, tokenizer, trainer_state, keep_la
         save_model(model, os.path.join(tmp, "model"), model_state, tokenizer)
         trainer = dict(optimizer=optimizer_state, **trainer_state)
         torch.save(trainer, os.path.join(tmp, "trainer.pt"))
+    # the same on every rank: each moved its copy by the same mixes
+    if reference is not None and master:
+        torch.save(reference.state_dict(), os.path.join(tmp, "reference.pt"))
     barrier()
 
     if master:
@@ -350,11 +358,13 @@ def _commit(root, path, tmp, keep_last):
             shutil.rmtree(old)
 
 
-def restore(path, saved, model, optimizer, engine, device):
+def restore(path, saved, model, optimizer, engine, device, reference=None):
     """Load the LoRA adapter (if any), the optimizer, this rank's RNG and engine states.
 
-    -> (step, optimizer step, prompts consumed, save()'s pending batch or None).
-    Call it after the engine is built: vLLM's start-up reseeds the global RNGs.
+    And into reference (--sync-ref-every), the reference's weights: save() wrote
+    them. -> (step, optimizer step, prompts consumed, save()'s pending batch or
+    None). Call it after the engine is built: vLLM's start-up reseeds the global
+    RNGs.
     """
     # the policy was built from the initial model: the checkpoint's adapter is the
     # trained part
@@ -363,6 +373,9 @@ def restore(path, saved, model, optimizer, engine, device):
 
     options = StateDictOptions(full_state_dict=True)
     set_optimizer_state_dict(model, optimizer, saved["optimizer"], options=options)
+    if reference is not None:
+        weights = torch.load(os.path.join(path, "reference.pt"), map_location=device)
+        reference.load_state_dict(weights)
 
     rng = torch.load(os.path.join(path, f"rng_rank{rank}.pt"), weights_only=False)
     random.setstate(rng["python"])

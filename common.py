@@ -304,6 +304,8 @@ def step_line(record, times=None):
         parts.append(f"loss {record['loss']:.4f}")
         if "kl" in record:
             parts.append(f"kl {record['kl']:.4f}")
+        if "entropy_coef" in record:  # --adaptive-entropy
+            parts.append(f"entropy_coef {record['entropy_coef']:.4f}")
         parts.append(f"len {record['len_mean']:.1f}")
         parts.append(" ".join(f"{k} {v:.2f}s" for k, v in times.items()))
 

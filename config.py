@@ -27,8 +27,12 @@ from common import fail, world
 
 # advantage.py: what the advantage divides by
 SCALE_REWARDS = ("group", "batch", "none")
+# advantage.py: how several rewards become one (GDPO: normalize_then_sum)
+REWARD_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 # reduction.REDUCTION's keys
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+# the loss types with the clipped surrogate, which --delta caps
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 # loss.py: the ratio per token, or per sequence (GSPO)
 IS_LEVELS = ("token", "sequence")
 IS_CORRECTIONS = (
@@ -127,7 +131,14 @@ add("--max-new-tokens", type=int_, default=None,
 add("--temperature", default=1.0,
     type=number(float, 0, low_open=True,
                 why=" for GRPO sampling (greedy completions never differ)"))
-add("--top-p", type=number(float, 0, 1, low_open=True), default=1.0)
+add("--top-p", type=number(float, 0, 1, low_open=True), default=1.0,
+    help="sample from the likeliest tokens holding this share of the mass")
+add("--top-k", type=number(int, 0), default=0,
+    help="sample from the K likeliest tokens (0: all)")
+add("--min-p", type=number(float, 0, 1), default=0.0,
+    help="drop tokens less likely than MIN_P x the likeliest (0: off)")
+add("--repetition-penalty", type=pos, default=1.0,
+    help="CTRL's penalty on the prompt's and completion's tokens (1: off)")
 add("--engine", default="auto", choices=["auto", "vllm", "hf"],
     help="auto: vLLM when installed")
 add("--vllm-memory", type=number(float, 0, 1, low_open=True), default=0.3,
@@ -152,6 +163,8 @@ add("--rewards", nargs="+", default=None,
 add("--reward-weights", type=number(float), nargs="+", default=None,
     help="one weight per reward")
 add("--scale-rewards", default="group", choices=SCALE_REWARDS)
+add("--reward-aggregation", default="sum_then_normalize", choices=REWARD_AGGREGATIONS,
+    help="normalize_then_sum: each reward z-scored in its group first (GDPO)")
 add("--eval-reward", default=None,
     help="held-out accuracy's reward, like --rewards (recipe: exact match / accuracy)")
 # under gloo's 1800 s collective timeout (NCCL's: 600 s)
@@ -181,12 +194,18 @@ add("--lora-targets", nargs="+", default=LORA_TARGETS,
 
 # --- loss
 add("--loss-type", default="grpo", choices=LOSS_TYPES,
-    help="cispo, sapo: other objectives")
+    help="cispo, sapo, vespo: other objectives; luspo: GSPO x length")
 add("--beta", type=number(float, 0), default=0.0,
     help="KL coefficient (0: no reference model)")
 add("--epsilon-low", type=number(float, 0), default=0.2)
 add("--epsilon-high", type=number(float, 0), default=0.2,
     help="cispo: the weight's cap itself")
+add("--delta", type=pos, default=None,
+    help="two-sided clip: where A < 0 the ratio is capped at DELTA (INTELLECT-2)")
+add("--vespo-k", type=pos, nargs=2, default=[2.0, 3.0], metavar=("POS", "NEG"),
+    help="vespo: the Gamma weight's shape k for A >= 0 and A < 0")
+add("--vespo-lambda", type=pos, nargs=2, default=[3.0, 2.0], metavar=("POS", "NEG"),
+    help="vespo: the Gamma weight's rate lambda for A >= 0 and A < 0")
 add("--sapo-tau", type=pos, nargs=2, default=[1.0, 1.05], metavar=("POS", "NEG"),
     help="sapo: the gate's temperatures for A > 0 and A <= 0")
 add("--kl-bias-correction", action="store_true",
@@ -206,6 +225,18 @@ add("--off-policy-mask", type=number(float, 0), default=None, metavar="DELTA",
 add("--importance-sampling-level", default="token", choices=IS_LEVELS)
 add("--entropy-coef", type=number(float, 0), default=None,
     help="entropy bonus (recipe: 0.1 / 0)")
+add("--adaptive-entropy", action="store_true",
+    help="the entropy coefficient follows --entropy-target (Skywork-OR1)")
+add("--entropy-target", type=number(float, 0), default=0.2,
+    help="--adaptive-entropy: the bonus is on while the entropy is at most this")
+add("--entropy-coef-delta", type=number(float, 0), default=0.005,
+    help="--adaptive-entropy: the coefficient's change per optimizer step")
+add("--entropy-coef-min", type=number(float, 0), default=0.0)
+add("--entropy-coef-max", type=number(float, 0), default=1.0)
+add("--sync-ref-every", type=number(int, 0), default=0, metavar="N",
+    help="TR-DPO: every N optimizer steps the reference moves toward the policy (0: off)")
+add("--ref-mixup-alpha", type=number(float, 0, 1), default=0.6,
+    help="--sync-ref-every: ref <- alpha x policy + (1 - alpha) x ref")
 add("--tis-cap", type=number(float, 0), default=0.0,
     help="alias of --is-correction token_truncate --is-max TIS_CAP (0: off)")
 add("--loss-impl", default="auto", choices=["auto", "triton", "torch"],
@@ -327,7 +358,17 @@ DEPENDS_ON = {
     "is_min": (lambda a: a.is_correction != "off", "--is-correction MODE"),
     "is_max": (lambda a: a.is_correction != "off", "--is-correction MODE"),
     "sapo_tau": (lambda a: a.loss_type == "sapo", "--loss-type sapo"),
+    "vespo_k": (lambda a: a.loss_type == "vespo", "--loss-type vespo"),
+    "vespo_lambda": (lambda a: a.loss_type == "vespo", "--loss-type vespo"),
+    "delta": (lambda a: a.loss_type in CLIPPED_LOSS_TYPES,
+              "a clipped --loss-type (grpo, bnpo, dr_grpo, dapo, luspo)"),
     "kl_bias_correction": (lambda a: a.beta > 0, "--beta > 0 (a KL term)"),
+    "sync_ref_every": (lambda a: a.beta > 0, "--beta > 0 (a reference model to move)"),
+    "ref_mixup_alpha": (lambda a: a.sync_ref_every > 0, "--sync-ref-every N"),
+    "entropy_target": (lambda a: a.adaptive_entropy, "--adaptive-entropy"),
+    "entropy_coef_delta": (lambda a: a.adaptive_entropy, "--adaptive-entropy"),
+    "entropy_coef_min": (lambda a: a.adaptive_entropy, "--adaptive-entropy"),
+    "entropy_coef_max": (lambda a: a.adaptive_entropy, "--adaptive-entropy"),
 }
 
 
@@ -404,9 +445,25 @@ def check_flags(args):
          "--vllm-tp applies to the colocated vLLM engine: drop it with --engine hf, "
          "or set the server's own TP"),
 
+        (args.loss_type != "luspo" or args.importance_sampling_level == "sequence",
+         "--loss-type luspo is GSPO's sequence ratio, weighed by length: add "
+         "--importance-sampling-level sequence"),
+        (args.loss_type != "vespo" or args.importance_sampling_level == "token",
+         "--loss-type vespo builds its sequence weight from the token ratios: drop "
+         "--importance-sampling-level sequence"),
+        (args.loss_type != "vespo" or not args.is_correction.startswith("sequence"),
+         f"--loss-type vespo adds the token IS ratios to its sequence ratio: use "
+         f"--is-correction {args.is_correction.replace('sequence', 'token')}"),
         (args.loss_impl != "triton" or args.importance_sampling_level != "sequence",
          "--loss-impl triton supports --importance-sampling-level token only; "
          "use --loss-impl torch"),
+        (args.loss_impl != "triton" or args.loss_type != "vespo",
+         "--loss-impl triton has no per-sequence weight for --loss-type vespo: "
+         "use --loss-impl torch"),
+        (args.delta is None or args.loss_type not in CLIPPED_LOSS_TYPES
+         or args.delta > 1 + args.epsilon_high,
+         f"--delta {args.delta} caps the ratio where A < 0 above the clip: give "
+         f"--delta > 1 + --epsilon-high = {1 + args.epsilon_high:g} (INTELLECT-2: 4)"),
         (args.loss_type != "cispo" or args.epsilon_high >= 1,
          "--loss-type cispo caps the IS weight at --epsilon-high itself: "
          "give a cap >= 1 (e.g. 5)"),
@@ -443,6 +500,32 @@ def check_flags(args):
          "completions per held-out prompt"),
         (all(k <= args.eval_samples for k in args.eval_k or ()),
          f"--eval-k {k_text}: each k must be <= --eval-samples {args.eval_samples}"),
+
+        # GDPO z-scores each reward in its group, then the sum over the batch
+        (args.reward_aggregation == "sum_then_normalize" or args.scale_rewards == "group",
+         f"--scale-rewards {args.scale_rewards} does nothing with --reward-aggregation "
+         f"normalize_then_sum (it z-scores each reward in its group, then the sum over "
+         f"the batch): drop one"),
+        # TR-DPO moves a reference of its own (TRL refuses PEFT too)
+        (not (args.sync_ref_every and args.lora_rank),
+         "--sync-ref-every does not work with --lora-rank: the reference is the policy "
+         "with its adapters off, no copy to move; drop one"),
+        (not (args.sync_ref_every and args.fsdp),
+         "--sync-ref-every does not work with --fsdp yet (the reference's shards are "
+         "not mixed or checkpointed): drop one"),
+        (not args.adaptive_entropy or args.entropy_coef_min <= args.entropy_coef_max,
+         f"--entropy-coef-min {args.entropy_coef_min} must be <= --entropy-coef-max "
+         f"{args.entropy_coef_max}"),
+        (not args.adaptive_entropy
+         or args.entropy_coef_min <= args.entropy_coef <= args.entropy_coef_max,
+         f"--adaptive-entropy starts from --entropy-coef {args.entropy_coef}: it must lie "
+         f"in [--entropy-coef-min, --entropy-coef-max] = [{args.entropy_coef_min}, "
+         f"{args.entropy_coef_max}]"),
+
+        # the filters keep the likeliest token only: sampling is greedy
+        (args.top_k != 1 and args.min_p < 1,
+         "--top-k 1 and --min-p 1 keep only the likeliest token: a group's G "
+         "completions would never differ; give --top-k >= 2 (0: off) or --min-p < 1"),
     ]
     for ok, msg in checks:
         if not ok:

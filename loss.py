@@ -8,9 +8,10 @@ Per completion token t of sequence i, with advantage A_i (advantage.py):
     ratio_t = exp(logp_t - old_logp_t)     (GSPO, arXiv 2507.18071: one per
               sequence, exp of the mean of its token log-ratios)
     pg_t    = -min(ratio_t A_i, clip(ratio_t, 1 - eps_low, 1 + eps_high) A_i)
-                                                       grpo, bnpo, dr_grpo, dapo
+                                                grpo, bnpo, dr_grpo, dapo, luspo
               -sg(min(ratio_t, eps_high)) A_i logp_t   cispo
               -sigmoid(tau_i (ratio_t - 1)) 4 / tau_i A_i   sapo
+              -sg(phi_i) A_i logp_t                    vespo
     kl_t    = exp(ref_t - logp_t) - (ref_t - logp_t) - 1    (k3, always >= 0)
     loss_t  = pg_t * w_t + beta * kl_t
     loss    = reduce(loss_t over the kept tokens)
@@ -23,6 +24,27 @@ The objectives and knobs:
 - sapo (arXiv 2511.20347) is a soft gate, not a hard clip. tau_i is
   sapo_tau_pos (1.0) if A_i > 0, else sapo_tau_neg (1.05). At ratio 1 its
   gradient is grpo's.
+- luspo (arXiv 2602.05261) is GSPO with each sequence's loss scaled by its
+  length: reduction.py sums a sequence's tokens where grpo averages them. It
+  needs importance_sampling_level="sequence".
+- vespo (arXiv 2602.10693) reshapes instead of clipping: phi_i, a constant,
+  is a Gamma-shaped function of the sequence's whole ratio W_i (the product
+  of its token ratios, not GSPO's geometric mean). In log space, with TRL's
+  clamps (get_gamma_weights; is_t: the IS weight, below):
+    log W_i = clamp(sum_t clamp(logp_t - old_t, -20, 20)
+                    + sum_t clamp(log is_t, log 1e-8, 20), log 1e-8, 20)
+    phi_i   = exp(lambda + k log W_i - lambda W_i)   (= e^lambda W^k e^-lambda W;
+              NaN and inf -> 0)
+  k, lambda are vespo_k_pos, vespo_lambda_pos (2, 3) if A_i >= 0, else
+  vespo_k_neg, vespo_lambda_neg (3, 2): phi(1) = 1, and it fades for W far
+  from 1 on either side. is_t enters W_i instead of w_t, so only the token_*
+  modes. Token-level ratio only; it reduces like dapo.
+- delta (INTELLECT-2's two-sided clip, arXiv 2505.07291; not off_policy_mask's
+  delta), for grpo's family and luspo:
+  ratio_t -> min(ratio_t, delta) in the min's first term, after the clip's
+  (TRL). delta must exceed 1 + eps_high, so where A_i >= 0 the clip binds
+  first and nothing changes. Where A_i < 0 the loss stops at -delta A_i: a
+  ratio above delta gets no gradient, where the plain clip lets it grow.
 - kl_bias_correction (DeepSeek-V3.2, arXiv 2512.02556) uses kl_t * ratio_t.
   Its gradient is the unbiased reverse-KL gradient when the tokens come from
   the old policy.
@@ -34,7 +56,7 @@ The objectives and knobs:
           r = exp(old_t - sampling_t)           "token_*", or
           r = exp(sum_t (old_t - sampling_t))   "sequence_*".
           "*_truncate" uses clip(r, is_min, is_max); "*_mask" uses r inside
-          [is_min, is_max], else 0.
+          [is_min, is_max], else 0. vespo takes it into W_i instead.
     op_i  off_policy_mask delta (DeepSeek-V3.2, eq. 9): 0 for a sequence with
           A_i < 0 whose sampled KL(sampler || policy), the mean over t of
           (sampling_t - logp_t), exceeds delta.
@@ -48,8 +70,17 @@ Which path runs (kernels.choose_impl says why):
 - impl="torch": model.selective_log_softmax, then grpo_loss below. The
   reference.
 - impl="triton": kernels/grpo.py, the same per-token loss fused in one pass
-  over the logits. It has every objective and the KL correction, and the
-  token-level ratio only. w_t and the kept tokens come from here.
+  over the logits. It has delta, the KL correction and every objective but
+  vespo, and the token-level ratio only (so no luspo). w_t and the kept
+  tokens come from here.
+
+Truncated sampling (--top-k, --top-p, --min-p; TRL issue #6789): the logits
+arrive here already FILTERED outside the sampler's kept set
+(model.truncate_logits, in train.py), as do old_logps and ref_logps. So every
+log-prob, and with them the ratio, the IS weight, the off-policy mask, the
+entropies and the KL, is over the truncated, renormalized distribution the
+sampler drew from: both paths unchanged. The repetition penalty is not
+replayed (model.py).
 
 Tests: python -m pytest -q tests/test_loss.py tests/test_kernel.py
 
@@ -67,7 +98,7 @@ import math
 
 import torch
 
-from config import IS_CORRECTIONS, IS_LEVELS
+from config import CLIPPED_LOSS_TYPES, IS_CORRECTIONS, IS_LEVELS
 from metrics import token_stats
 from model import entropy_from_logits, selective_log_softmax
 from reduction import (REDUCTION, check_reduction, entropy_bonus, kept_mask, reduce_loss,
@@ -77,17 +108,19 @@ from reduction import (REDUCTION, check_reduction, entropy_bonus, kept_mask, red
 IMPLS = ("torch", "triton")
 
 
-def choose_impl(loss_impl, device, importance_sampling_level="token"):
+def choose_impl(loss_impl, device, importance_sampling_level="token", loss_type="grpo"):
     """--loss-impl "auto" | "torch" | "triton" -> (impl, why, for the start-up line).
 
-    auto: the fused kernel on CUDA when the ratio is token-level (the kernel has
-    no GSPO); PyTorch on CPU, where Triton only interprets.
+    auto: the fused kernel on CUDA when the loss is token-level (the kernel has
+    no GSPO, luspo or vespo); PyTorch on CPU, where Triton only interprets.
     """
     if loss_impl not in ("auto",) + IMPLS:
         raise ValueError(f"loss_impl={loss_impl!r}: choose one of {('auto',) + IMPLS}")
 
     if loss_impl != "auto":
         return loss_impl, f"--loss-impl {loss_impl}"
+    if loss_type in ("luspo", "vespo"):
+        return "torch", f"auto: --loss-type {loss_type} is sequence-level, the kernel per token"
     if torch.device(device).type != "cuda":
         return "torch", "auto: no CUDA, where Triton would only interpret"
     if importance_sampling_level != "token":
@@ -110,6 +143,11 @@ class LossSettings:
     kl_bias_correction: bool = False
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
+    vespo_k_pos: float = 2.0  # vespo: phi's k and lambda for A >= 0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0  # and for A < 0
+    vespo_lambda_neg: float = 2.0
+    delta: float | None = None  # INTELLECT-2's cap on the ratio, > 1 + epsilon_high
     entropy_coef: float = 0.0
     temperature: float = 1.0  # the sampling temperature: logits / T
     importance_sampling_level: str = "token"  # "sequence": GSPO
@@ -140,18 +178,51 @@ class LossSettings:
             raise ValueError("impl='triton' has the token-level ratio only; use impl='torch' "
                              "for importance_sampling_level='sequence'")
 
+        if self.impl == "triton" and self.loss_type == "vespo":
+            raise ValueError("impl='triton' has no per-sequence weight: use impl='torch' for "
+                             "loss_type='vespo'")
+
+        if self.loss_type == "luspo" and level != "sequence":
+            raise ValueError("loss_type='luspo' is GSPO's sequence-level ratio, weighed by "
+                             "length: set importance_sampling_level='sequence'")
+
+        if self.loss_type == "vespo" and level != "token":
+            raise ValueError("loss_type='vespo' builds its sequence weight from the token "
+                             "ratios: set importance_sampling_level='token'")
+
+        if self.loss_type == "vespo" and self.is_correction.startswith("sequence"):
+            raise ValueError(f"loss_type='vespo' adds the token IS ratios to its sequence "
+                             f"ratio: use a token_* is_correction, not {self.is_correction!r}")
+
+        vespo = (self.vespo_k_pos, self.vespo_lambda_pos, self.vespo_k_neg,
+                 self.vespo_lambda_neg)
+        if not all(x > 0 for x in vespo):
+            raise ValueError(f"vespo's k and lambda must be > 0, got {vespo}")
+
+        if self.delta is not None and self.loss_type not in CLIPPED_LOSS_TYPES:
+            raise ValueError(f"delta caps the clipped ratio, and loss_type={self.loss_type!r} "
+                             f"has no clip: use one of {CLIPPED_LOSS_TYPES}, or delta=None")
+
+        if self.delta is not None and not self.delta > 1 + self.epsilon_high:
+            raise ValueError(f"delta={self.delta} caps the ratio where A < 0 above the clip: "
+                             f"it must be > 1 + epsilon_high = {1 + self.epsilon_high}")
+
 
 # -----------------------------------------------------------------------------
 # The per-token terms
 
-def surrogate(ratio, logps, A, settings):
+def surrogate(ratio, logps, A, settings, phi=None):
     """pg_t of settings.loss_type.
 
-    ratio, logps (B, T), A (B, 1) -> ((B, T) per-token policy loss, clip_low,
-    clip_high). The clip masks are (B, T) bool or None: the tokens each clip
-    bound holds.
+    ratio, logps (B, T), A (B, 1), phi (B, 1): vespo's weight (vespo_weight) ->
+    ((B, T) per-token policy loss, clip_low, clip_high). The clip masks are
+    (B, T) bool or None: the tokens each clip bound holds (of the ratio before
+    delta's cap, which with delta > 1 + eps_high are TRL's).
     """
     s = settings
+
+    if s.loss_type == "vespo":  # a constant weight per sequence, like cispo's per token
+        return -phi * A * logps, None, None
 
     if s.loss_type == "cispo":  # the weight is capped, the token keeps its gradient
         capped = torch.clamp(ratio, max=s.epsilon_high).detach()  # (B, T)
@@ -162,7 +233,10 @@ def surrogate(ratio, logps, A, settings):
         return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * A, None, None
 
     clipped_ratio = torch.clamp(ratio, 1 - s.epsilon_low, 1 + s.epsilon_high)  # (B, T)
-    per_token = -torch.min(ratio * A, clipped_ratio * A)  # (B, T)
+    capped_ratio = ratio
+    if s.delta is not None:  # INTELLECT-2's two-sided clip: binds where A < 0
+        capped_ratio = torch.clamp(ratio, max=s.delta)  # (B, T)
+    per_token = -torch.min(capped_ratio * A, clipped_ratio * A)  # (B, T)
     # clipped from below: the gradient is 0
     clip_low = (ratio < 1 - s.epsilon_low) & (A < 0)  # (B, T)
     # clipped from above
@@ -170,15 +244,17 @@ def surrogate(ratio, logps, A, settings):
     return per_token, clip_low, clip_high
 
 
-def _stats(loss_type, clip_low, clip_high, ratio, kl, entropies):
+def _stats(loss_type, clip_low, clip_high, ratio, kl, entropies, phi=None):
     """The metrics both paths log, as (B, T) tensors.
 
-    Both bounds of the hard clip (cispo: its capped weights; sapo has no clip),
-    ratio_mean, and kl and entropy when there are any.
+    Both bounds of the hard clip (cispo: its capped weights; sapo has no clip;
+    vespo: phi_i's mean), ratio_mean, and kl and entropy when there are any.
     """
     stats = {}
     if loss_type == "cispo":
         stats = {"clip_high": clip_high}
+    elif loss_type == "vespo":  # a token mean, as every metric here (TRL's: a sequence mean)
+        stats = {"vespo_phi_mean": phi.expand_as(ratio)}
     elif loss_type != "sapo":
         stats = {"clip_low": clip_low, "clip_high": clip_high, "clip_region": clip_low | clip_high}
 
@@ -213,6 +289,40 @@ def importance_weight(old_logps, sampling_logps, mask, mode, is_min=0.0, is_max=
     return ratio.masked_fill(outside, 0.0), ratio, outside
 
 
+@torch.no_grad()
+def vespo_weight(log_ratio, mask, A, is_weight, settings):
+    """phi_i, VESPO's Gamma weight of the sequence ratio: TRL's get_gamma_weights.
+
+    log_ratio (B, T): logp - old_logp per token; mask (B, T); A (B, 1);
+    is_weight (B, T): is_t (importance_weight), or None when IS is off.
+    -> (B, 1), a constant (no gradient).
+    """
+    s = settings
+    mask = mask.to(log_ratio.dtype)  # (B, T)
+    # the floor of log W: TRL's, which is the original's W.clamp(min=1e-8)
+    lowest = math.log(1e-8)
+
+    # log W = sum_t log(pi / old) + sum_t log is_t: the sequence's product of ratios
+    token_log_ratio = torch.clamp(log_ratio, -20.0, 20.0)  # (B, T)
+    log_w = (token_log_ratio * mask).sum(-1, keepdim=True)  # (B, 1)
+    if is_weight is not None:
+        # TRL sums over every position; * mask makes padding count for nothing
+        # even when [is_min, is_max] leaves out its is_t = 1
+        log_is = torch.clamp(torch.log(is_weight), lowest, 20.0)  # (B, T)
+        log_w = log_w + (log_is * mask).sum(-1, keepdim=True)
+    log_w = torch.clamp(log_w, lowest, 20.0)  # (B, 1)
+
+    # k and lambda by the advantage's sign, in log_w's dtype
+    positive = A >= 0  # (B, 1)
+    k = torch.full_like(log_w, s.vespo_k_neg).masked_fill(positive, s.vespo_k_pos)  # (B, 1)
+    lam = torch.full_like(log_w, s.vespo_lambda_neg).masked_fill(positive, s.vespo_lambda_pos)
+    lam = lam.clamp(min=1e-4)  # (B, 1)
+
+    # log phi = lambda + k log W - lambda W
+    log_phi = lam + k * log_w - lam * torch.exp(log_w)  # (B, 1)
+    return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def off_policy_keep(advantages, logps, sampling_logps, mask, delta):
     """DeepSeek-V3.2's off-policy sequence mask (eq. 9).
 
@@ -233,12 +343,14 @@ def policy_weight(batch, ratio_old_logps, logps, settings):
 
     batch: a micro-batch (batch.UpdateBatch). ratio_old_logps: the IS ratio's
     old log-probs (the current ones on-policy); logps: the current ones,
-    detached. -> ((B, T) constant weight, None with every knob off;
+    detached. -> ((B, T) constant weight, None with every knob off; (B, T) is_t
+    for vespo, which takes it into phi_i instead of w_t, else None;
     {metric name: (B, T) tensor}, what each knob removes).
     """
     s = settings
     mask = batch.completion_mask  # (B, T)
     factors = []
+    is_weight = None
     stats = {}
 
     if batch.truncated is not None:
@@ -247,7 +359,10 @@ def policy_weight(batch, ratio_old_logps, logps, settings):
     if s.is_correction != "off":
         weight, ratio, outside = importance_weight(ratio_old_logps, batch.sampling_logps, mask,
                                                    s.is_correction, s.is_min, s.is_max)
-        factors.append(weight)
+        if s.loss_type == "vespo":  # into the sequence ratio W_i, not onto the loss (TRL)
+            is_weight = weight
+        else:
+            factors.append(weight)
         if outside is not None:
             stats["frac_is_masked"] = outside
         stats["is_ratio_mean"] = ratio
@@ -265,22 +380,25 @@ def policy_weight(batch, ratio_old_logps, logps, settings):
         stats["frac_low_entropy"] = low_entropy
 
     weight = math.prod(factors) if factors else None
-    return weight, stats
+    return weight, is_weight, stats
 
 
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, settings, *, entropies=None,
-              token_weight=None, truncated=None, counts=None, num_items=None,
-              num_sequences=None):
+              token_weight=None, is_weight=None, truncated=None, counts=None,
+              num_items=None, num_sequences=None):
     """The policy objective + k3 KL (- entropy bonus) -> (scalar loss, metrics).
 
-    logps, old_logps, ref_logps, mask, entropies, token_weight (policy_weight):
-    (B, T). advantages, truncated (bool: leave the loss), counts (the rows each
-    one stands for: unique_rows): (B,). num_sequences, num_items: the
-    minibatch's, for one of its micro-batches (reduce_loss). The metrics are
-    floats (token_stats).
+    logps, old_logps, ref_logps, mask, entropies, token_weight and is_weight
+    (vespo's is_t; both from policy_weight): (B, T). advantages, truncated
+    (bool: leave the loss), counts (the rows each one stands for: unique_rows):
+    (B,). num_sequences, num_items: the minibatch's, for one of its
+    micro-batches (reduce_loss). The metrics are floats (token_stats).
     """
     s = settings
     check_reduction(s.loss_type, num_items, s.max_completion_length)
+    if is_weight is not None and s.loss_type != "vespo":
+        raise ValueError("is_weight is vespo's: pass the IS weight of other loss types "
+                         "in token_weight")
     if s.beta != 0 and ref_logps is None:
         raise ValueError(f"beta={s.beta} needs ref_logps (the reference's log-probs), "
                          f"or set beta=0")
@@ -299,7 +417,10 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, settings, *, entrop
 
     # 2) the policy term, reweighed by w_t (a constant: no gradient)
     A = advantages.unsqueeze(-1)  # (B, 1)
-    per_token, clip_low, clip_high = surrogate(ratio, logps, A, s)
+    phi = None
+    if s.loss_type == "vespo":  # one weight per sequence, from the token log-ratios
+        phi = vespo_weight(log_ratio, mask, A, is_weight, s)  # (B, 1)
+    per_token, clip_low, clip_high = surrogate(ratio, logps, A, s, phi)
     if token_weight is not None:
         per_token = per_token * token_weight
 
@@ -321,7 +442,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, settings, *, entrop
     if entropies is not None and s.entropy_coef != 0:
         loss = loss - entropy_bonus(entropies, kept * w, s.entropy_coef, num_items)
 
-    stats = _stats(s.loss_type, clip_low, clip_high, ratio, kl, entropies)
+    stats = _stats(s.loss_type, clip_low, clip_high, ratio, kl, entropies, phi)
     return loss, token_stats(mask * w, stats)
 
 
@@ -360,14 +481,15 @@ def policy_loss(logits, batch, settings, *, minibatch_size, minibatch_tokens):
 
     # 2) w_t, the knobs' weight
     ratio_old_logps = current if on_policy else batch.old_logps
-    weight, knob_stats = policy_weight(batch, ratio_old_logps, current, s)
+    weight, is_weight, knob_stats = policy_weight(batch, ratio_old_logps, current, s)
 
     # 3) the loss of this micro-batch's rows, as a share of the minibatch's
     if s.impl == "torch":
         loss, metrics = grpo_loss(
             logps, batch.old_logps, batch.ref_logps, batch.advantages, mask, s,
-            entropies=entropies, token_weight=weight, truncated=batch.truncated,
-            counts=batch.counts, num_items=minibatch_tokens, num_sequences=minibatch_size)
+            entropies=entropies, token_weight=weight, is_weight=is_weight,
+            truncated=batch.truncated, counts=batch.counts, num_items=minibatch_tokens,
+            num_sequences=minibatch_size)
     else:
         loss, metrics = _fused_loss(logits, batch, s, weight, entropies,
                                     minibatch_size, minibatch_tokens)
@@ -398,6 +520,7 @@ def _fused_loss(logits, batch, settings, weight, entropies, minibatch_size, mini
         kl_bias_correction=s.kl_bias_correction,
         sapo_tau_pos=s.sapo_tau_pos,
         sapo_tau_neg=s.sapo_tau_neg,
+        delta=s.delta,
         objective=objective,
         entropy_coef=0.0,
     )

@@ -10,8 +10,11 @@ the per-token terms.
                          (arXiv 2503.20783)
               "dapo"     sum / num_items, the unmasked tokens of the whole
                          batch (arXiv 2503.14476)
-              "cispo" reduces like "dapo", "sapo" like "grpo" (as their
-              papers and TRL do)
+              "luspo"    mean over sequences of each one's token sum: each
+                         sequence weighs as much as it is long (arXiv
+                         2602.05261)
+              "cispo" and "vespo" reduce like "dapo", "sapo" like "grpo" (as
+              their papers and TRL do)
 
 A micro-batch of a minibatch: train.py passes the minibatch's sequence count
 and its unmasked tokens on all ranks / W (minibatch_tokens). Each micro-batch's
@@ -23,8 +26,8 @@ Tests: python -m pytest -q tests/test_loss.py tests/test_loss_2ranks.py
 """
 import torch.distributed as dist
 
-# each loss type's normalisation: GRPO's family names its own, cispo and sapo
-# borrow one
+# each loss type's normalisation: GRPO's family names its own, cispo, sapo and
+# vespo borrow one
 REDUCTION = {
     "grpo": "grpo",
     "bnpo": "bnpo",
@@ -32,6 +35,8 @@ REDUCTION = {
     "dapo": "dapo",
     "cispo": "dapo",
     "sapo": "grpo",
+    "luspo": "luspo",
+    "vespo": "dapo",
 }
 
 
@@ -75,7 +80,7 @@ def reduce_loss(per_token_loss, mask, loss_type="grpo", num_items=None,
     """(B, T) per-token loss and completion mask -> a scalar, as loss_type says.
 
     For a micro-batch of a minibatch, pass the minibatch's num_sequences (grpo,
-    dr_grpo) and num_items (bnpo, dapo: its unmasked tokens, all ranks / W, see
+    dr_grpo, luspo) and num_items (bnpo, dapo: its unmasked tokens, all ranks / W, see
     minibatch_tokens). The micro-batches' results then add up to the minibatch's.
     Without them the batch is its own minibatch.
     counts (B,): the identical sequences each row stands for (unique_rows).
@@ -97,6 +102,8 @@ def reduce_loss(per_token_loss, mask, loss_type="grpo", num_items=None,
         return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / B
     if reduction == "dr_grpo":  # a constant normaliser: no bias toward short or long answers
         return masked.sum() / (B * max_completion_length)
+    if reduction == "luspo":  # TRL: (per_token_loss * mask).sum(-1).mean()
+        return masked.sum() / B
     # bnpo, dapo: each token of the minibatch weighs the same
     return masked.sum() / _tokens(mask * w, num_items)
 

@@ -4,9 +4,10 @@ Rollout: sample G completions per prompt from the policy, with the sampler's own
     sampling_logps[i, t] = log softmax(process(logits_t) / temperature)[c]
     where c = completion_ids[i, t], the token sampled at step t of completion i
 
-process: the repetition penalty, then top-k / top-p / min-p after the
-temperature. Unfiltered, this is what the trainer recomputes
-(model.selective_log_softmax). Raw logprobs are not (trl#4159).
+process: the repetition penalty, then min-p, top-k, top-p after the
+temperature (model.kept_tokens). This is what the trainer recomputes
+(model.selective_log_softmax, on model.truncate_logits' logits when a filter
+is on), but for the repetition penalty. Raw logprobs are not (trl#4159).
 
 Tests: python -m pytest -q tests/test_rollout*.py; benchmark: python -m bench rollout
 
@@ -18,8 +19,9 @@ Simplifications:
    seed per request: a prompt's G completions would match.
 3. Under torchrun, one engine per rank. tensor_parallel_size N groups N
    consecutive ranks in one engine.
-4. vLLM applies min-p before top-k / top-p, HFEngine after: the two agree with
-   one filter on.
+4. Both engines filter in vLLM 0.32's order: the repetition penalty (on the
+   prompt's and completion's tokens), the temperature, min-p, top-k, then top-p
+   over what is left. Greedy applies the penalty only.
 5. HFEngine is gpt-fast's decode loop, a prompt's forward shared by its G
    completions. No paging.
 6. VLLMEngine.close() tears down vLLM's global state and the default process
@@ -40,7 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from common import all_ranks_ok, private_rng, unwrap
 from lora import full_named_parameters
-from model import pad_id, sequence_batch
+from model import kept_tokens, pad_id, sequence_batch, truncates
 
 
 @dataclass
@@ -109,22 +111,11 @@ def process_logits(logits, seen, temperature, top_p=1.0, top_k=0, min_p=0.0,
         return scores
     scores = scores / temperature
 
-    if (top_k or 0) > 0:
-        kth = scores.topk(min(top_k, scores.shape[1])).values[:, -1:]  # (N, 1)
-        scores = scores.masked_fill(scores < kth, -torch.inf)
-
-    # drop a token when the likelier ones already hold top_p of the mass
-    if top_p < 1.0:
-        ordered, order = scores.sort(-1, descending=True)
-        probs = ordered.softmax(-1)
-        drop = probs.cumsum(-1) - probs > top_p  # (N, V) in sorted order
-        scores = scores.scatter(1, order, ordered.masked_fill(drop, -torch.inf))
-
-    # drop a token less likely than min_p x the likeliest one
-    if min_p > 0:
-        probs = scores.softmax(-1)
-        floor = min_p * probs.max(-1, keepdim=True).values  # (N, 1)
-        scores = scores.masked_fill(probs < floor, -torch.inf)
+    # min-p, top-k, top-p in vLLM's order: the trainer replays the same filter
+    # (model.truncate_logits)
+    if truncates(top_k, top_p, min_p):
+        keep = kept_tokens(scores, top_k, top_p, min_p)  # (N, V)
+        scores = scores.masked_fill(~keep, -torch.inf)
     return scores
 
 

@@ -72,7 +72,8 @@ def serve(model_path, host="127.0.0.1", port=8000, weight_transfer=None, **engin
         GET  /health         -> {model, world_size, weight_transfer}
                                 (world_size: vLLM's workers;
                                 weight_transfer: nccl | file)
-        POST /generate       {prompt_ids, n, max_new_tokens, rng_seed, ...}
+        POST /generate       {prompt_ids, n, max_new_tokens, rng_seed, temperature,
+                              top_p, top_k, min_p, repetition_penalty}
                              -> {completion_ids, sampling_logps, finished,
                                  weight_version}
         POST /load_weights   a safetensors file's bytes, or {"path": a file}

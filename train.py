@@ -37,8 +37,9 @@ Simplifications (each is a choice, not an accident):
    ratio is exactly 1 and only its gradient matters: clipping never fires, as
    in nanochat's chat_rl.py. With --async they are the sampler's.
 3. The reference model (beta > 0) is the initial policy, frozen (LoRA: the
-   policy with its adapters off). The LR schedule is a linear warmup, then a
-   cosine to lr/10 over all optimizer steps.
+   policy with its adapters off); with --sync-ref-every N it moves toward the
+   policy every N optimizer steps (TR-DPO). The LR schedule is a linear warmup,
+   then a cosine to lr/10 over all optimizer steps.
 4. A checkpoint holds everything a bit-exact resume needs (checkpoint.py). The
    data order is a pure function of the seed and the prompts consumed
    (--prompts-per-step a step; more with --dynamic-sampling).
@@ -46,6 +47,7 @@ Simplifications (each is a choice, not an accident):
    AdamW stay fp32; the reference and the rollout engine hold --dtype weights
    (model.py).
 """
+import dataclasses
 import json
 import math
 import os
@@ -71,15 +73,16 @@ import data
 import task
 from advantage import compute_advantages, dynamic_sampling
 from batch import UpdateBatch, high_entropy_mask, policy_entropies, unique_rows
-from common import (barrier, ddp, fail, in_background, mark, master, print0, rank,
-                    require, result_everywhere, seed_all, setup, startup_line, step_line,
-                    world)
+from common import (barrier, collective_device, ddp, fail, in_background, mark, master,
+                    print0, rank, require, result_everywhere, seed_all, setup, startup_line,
+                    step_line, world)
 from lora import lora_config
 from loss import LossSettings, choose_impl, policy_loss
-from metrics import step_metrics
-from model import (completion_logits, load_model, load_reference, load_tokenizer, pad_id,
-                   prompt_batch, sequence_logps, wrap_ddp)
-from reduction import kept_mask, minibatch_tokens
+from metrics import step_metrics, token_stats
+from model import (completion_logits, entropy_from_logits, load_model, load_reference,
+                   load_tokenizer, pad_id, prompt_batch, sequence_logps, truncate_logits,
+                   wrap_ddp)
+from reduction import kept_mask, minibatch_tokens, row_weights
 from reward import get_reward_funcs, pass_at_k, score
 from rollout import make_engine, pick_engine
 from server import RemoteEngine
@@ -119,7 +122,12 @@ if args.wandb:
 
 # -----------------------------------------------------------------------------
 # Setup: data, model, reference, optimizer, rollout engine, the resumed state
-loss_impl, loss_why = choose_impl(args.loss_impl, device, args.importance_sampling_level)
+loss_impl, loss_why = choose_impl(args.loss_impl, device, args.importance_sampling_level,
+                                  args.loss_type)
+# the sampler's filters; the trainer replays top-k, top-p and min-p on its own
+# logits, so that its log-probs are over the same truncated support (model.py)
+truncation = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+sampling = dict(**truncation, repetition_penalty=args.repetition_penalty)
 # the loss's hyperparameters, the same for every micro-batch: each is the flag
 # of its name
 loss_settings = LossSettings(
@@ -130,6 +138,11 @@ loss_settings = LossSettings(
     kl_bias_correction=args.kl_bias_correction,
     sapo_tau_pos=args.sapo_tau[0],
     sapo_tau_neg=args.sapo_tau[1],
+    vespo_k_pos=args.vespo_k[0],
+    vespo_lambda_pos=args.vespo_lambda[0],
+    vespo_k_neg=args.vespo_k[1],
+    vespo_lambda_neg=args.vespo_lambda[1],
+    delta=args.delta,
     entropy_coef=args.entropy_coef,
     temperature=args.temperature,
     importance_sampling_level=args.importance_sampling_level,
@@ -219,9 +232,17 @@ start_step = 0
 opt_step = 0
 consumed = 0  # prompts drawn so far (data.batch_indices)
 ahead = None  # --async: the next batch, sampled while this step trains
+# --sync-ref-every: the reference moves (TR-DPO), so the checkpoints hold it
+moving_reference = ref_model if args.sync_ref_every else None
+# --adaptive-entropy's state: the coefficient, and the entropy of the last
+# optimizer step (none yet: inf, no bonus until one is measured, as TRL)
+entropy_coef = args.entropy_coef
+last_entropy = math.inf
 if resume_from:  # RNG states last: the engine's start-up reseeds torch
     start_step, opt_step, consumed, ahead = checkpoint.restore(
-        resume_from, saved, raw_model, optimizer, engine, device)
+        resume_from, saved, raw_model, optimizer, engine, device, moving_reference)
+    entropy_coef = saved["entropy_coef"]
+    last_entropy = saved["last_entropy"]
     print0(f"resuming from {resume_from} (step {start_step}); "
            f"another --out-dir starts a new run")
 # the server may hold other weights (a restart, a resumed run): send the
@@ -236,6 +257,9 @@ print0(f"engine {type(engine).__name__} ({engine_why}), {world} rank(s) x "
        f"{torch.get_num_threads()} thread(s), device {device}, "
        f"loss {loss_impl} ({loss_why}), {n_params:.2f}M params "
        f"({n_trained:.3g}M trained), {len(train_rows)} train prompts")
+if args.repetition_penalty != 1:
+    print0("--repetition-penalty: the sampler's log-probs are penalized, the trainer's are "
+           "not (model.py): the IS ratio counts the penalty as off-policy")
 wandb_run = None
 if wandb and master:
     wandb_run = wandb.init(project=args.wandb, config=vars(args))
@@ -253,7 +277,7 @@ def sample(consumed):
     prompt_ids = [train_ids[i] for i in idx]
 
     rollout = engine.generate(prompt_ids, args.G, args.max_new_tokens,
-                              temperature=args.temperature, top_p=args.top_p)
+                              temperature=args.temperature, **sampling)
 
     rows = [train_rows[i] for i in idx for _ in range(args.G)]
     return rows, rollout, getattr(engine, "weight_version", None), time.time() - t0
@@ -265,7 +289,9 @@ def evaluate():
 
     Greedy is temperature 0. Sampled is the mean of n = --eval-samples (or 1)
     completions per prompt, and pass@k is over those n: a completion passes at
-    reward >= 1.
+    reward >= 1. Both decode with training's sampling flags: greedy ignores
+    top-k, top-p and min-p (they never drop the likeliest token), not the
+    repetition penalty, as in vLLM.
     """
     rows = eval_rows[rank::world]  # this rank's share
     ids = eval_ids[rank::world]
@@ -274,7 +300,7 @@ def evaluate():
     def rewards(temperature, g):
         """(prompts, g): the eval reward of g completions per prompt."""
         rollout = engine.generate(ids, g, args.max_new_tokens, temperature=temperature,
-                                  top_p=args.top_p)
+                                  **sampling)
         rows_g = [r for r in rows for _ in range(g)]
         rewards = score([eval_func], rows_g, rollout, conversational, args.reward_timeout)
         return rewards[:, 0].nan_to_num().view(-1, g)
@@ -306,6 +332,46 @@ def cosine_lr(it, total, lr, warmup):
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def applied_entropy_coef(coef, last_entropy, target):
+    """--adaptive-entropy (Skywork-OR1, arXiv 2505.22312; TRL 1.16's rule):
+    the bonus's coefficient during an optimizer step.
+
+    coef is the controller's after the previous optimizer step, last_entropy
+    what that step measured (inf before the first: no bonus yet):
+        c = coef if H_last <= target else 0
+    """
+    if last_entropy <= target:
+        return coef
+    return 0.0
+
+
+def next_entropy_coef(coef, entropy, target, delta, low, high):
+    """The controller's coefficient after an optimizer step that measured `entropy`.
+
+        coef <- min(coef + delta, high)   if H <= target (collapsing: push harder)
+        coef <- max(coef - delta, low)    otherwise
+    TRL's: one bound a branch, a clamp to [low, high] since coef starts inside
+    (config.check_flags).
+    """
+    if entropy <= target:
+        return min(coef + delta, high)
+    return max(coef - delta, low)
+
+
+def window_entropy(sums):
+    """[(sum of H, tokens)] of this rank's micro-batches of one optimizer step ->
+    the token mean over all of them and all ranks. A collective under DDP.
+
+    As TRL's controller: sums and counts are reduced together, so ranks of
+    different lengths weigh by their tokens.
+    """
+    totals = torch.tensor(sums, dtype=torch.float64).sum(0)  # (2,)
+    if ddp:
+        totals = totals.to(collective_device())
+        dist.all_reduce(totals)
+    return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+
 def prepare_update(rollout, prompts, advantages):
     """-> (UpdateBatch: the step's N rows on the device, as the loss sees them;
     (n,) the rows to train).
@@ -325,11 +391,13 @@ def prepare_update(rollout, prompts, advantages):
     if args.async_ and not is_corrected:  # the behaviour policy's (README: --async)
         old_logps = sampling_logps
     elif args.num_iterations > 1 or minibatch < N or is_corrected:  # off-policy
-        old_logps = sequence_logps(raw_model, prompts, completion_ids, **by_micro)
+        old_logps = sequence_logps(raw_model, prompts, completion_ids, **by_micro,
+                                   **truncation)
 
     ref_logps = None  # (N, T)
     if ref_model is not None:
-        ref_logps = sequence_logps(ref_model, prompts, completion_ids, **by_micro)
+        ref_logps = sequence_logps(ref_model, prompts, completion_ids, **by_micro,
+                                   **truncation)
 
     # the step's masks: the truncated completions, the high-entropy tokens of all ranks
     truncated = None  # (N,)
@@ -338,7 +406,8 @@ def prepare_update(rollout, prompts, advantages):
     high_entropy = None  # (N, T)
     if args.top_entropy_quantile < 1:
         # (N, T) from the policy before this update
-        entropies = policy_entropies(raw_model, prompts, completion_ids, **by_micro)
+        entropies = policy_entropies(raw_model, prompts, completion_ids, **by_micro,
+                                     **truncation)
         kept = kept_mask(completion_mask, truncated)  # (N, T)
         high_entropy = high_entropy_mask(entropies, kept, args.top_entropy_quantile)
 
@@ -369,8 +438,13 @@ def prepare_update(rollout, prompts, advantages):
     return batch, trained
 
 
-def backward_micro(batch, prompts, rows, minibatch_tokens, last):
-    """Forward, loss and backward of one micro-batch (its rows of batch) -> metrics."""
+def backward_micro(batch, prompts, rows, minibatch_tokens, last, settings):
+    """Forward, loss and backward of one micro-batch (its rows of batch).
+
+    settings: the loss's (loss_settings, or the optimizer step's entropy
+    coefficient). -> (metrics, (the sum of its entropies, their tokens) where the
+    loss trains, for --adaptive-entropy; else None).
+    """
     # reduce gradients once per minibatch, after its last micro-batch (nanoGPT's trick)
     if args.fsdp:
         raw_model.set_requires_gradient_sync(last)
@@ -380,10 +454,25 @@ def backward_micro(batch, prompts, rows, minibatch_tokens, last):
     micro_batch = batch.rows(rows)
     ids = micro_batch.completion_ids  # (n, T)
     logits = completion_logits(model, prompts, rows, ids, dtype)  # (n, T, V)
-    loss, metrics = policy_loss(logits, micro_batch, loss_settings, minibatch_size=minibatch,
+    # the sampler's support: FILTERED outside it when a filter is on (model.py)
+    logits = truncate_logits(logits, ids, args.temperature, **truncation)
+    loss, metrics = policy_loss(logits, micro_batch, settings, minibatch_size=minibatch,
                                 minibatch_tokens=minibatch_tokens)
     loss.backward()
-    return metrics
+
+    # --adaptive-entropy measures at every step; the loss does only while the bonus is on
+    measured = None
+    if args.adaptive_entropy:
+        with torch.no_grad():
+            entropies = entropy_from_logits(logits, args.temperature)  # (n, T)
+        counted = micro_batch.completion_mask * row_weights(micro_batch.counts)  # (n, T)
+        metrics["entropy"] = token_stats(counted, {"entropy": entropies})["entropy"]
+        # TRL's controller: over the tokens the policy loss trains on
+        tokens = kept_mask(counted, micro_batch.truncated)  # (n, T)
+        if micro_batch.high_entropy is not None:
+            tokens = tokens * micro_batch.high_entropy  # (n, T)
+        measured = ((entropies * tokens).sum().item(), tokens.sum().item())
+    return metrics, measured
 
 
 def optimizer_step(step):
@@ -406,6 +495,20 @@ def optimizer_step(step):
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
+
+
+@torch.no_grad()
+def mix_reference(reference, policy, alpha):
+    """TR-DPO's soft update (arXiv 2404.09656; TRL's SyncRefModelCallback),
+    in place, parameter by parameter:
+
+        ref <- alpha * policy + (1 - alpha) * ref
+
+    as TRL computes it: ref.mul_(1 - alpha).add_(policy, alpha=alpha). The
+    reference holds --dtype weights: each mix rounds to them.
+    """
+    for ref_param, param in zip(reference.parameters(), policy.parameters(), strict=True):
+        ref_param.mul_(1 - alpha).add_(param, alpha=alpha)
 
 
 # -----------------------------------------------------------------------------
@@ -450,7 +553,8 @@ for step in bar:
         times["rollout"] += seconds
         times["reward"] += time.time() - t1
         sampled = dynamic_sampling(rounds, args.dynamic_sampling, args.G,
-                                   args.reward_weights, pad_id(tokenizer))
+                                   args.reward_weights, pad_id(tokenizer),
+                                   args.reward_aggregation)
     (rows, rollout, rewards), sampling_stats = sampled
     N = rollout.completion_ids.shape[0]
 
@@ -462,7 +566,8 @@ for step in bar:
         dist.all_gather(gathered, rewards)
         rewards = torch.cat(gathered)  # (world*N, F)
     advantages, reward_stats = compute_advantages(rewards.cpu(), args.reward_weights,
-                                                  args.G, args.scale_rewards)
+                                                  args.G, args.scale_rewards,
+                                                  aggregation=args.reward_aggregation)
     advantages = advantages[rank * N:(rank + 1) * N].to(device)  # (N,) this rank's slice
     for f, fn in enumerate(reward_funcs):  # "reward/0" -> "reward/exact_match_reward"
         name = getattr(fn, "__name__", args.rewards[f])
@@ -484,17 +589,35 @@ for step in bar:
             lr = cosine_lr(opt_step, opt_steps_total, args.lr, args.warmup_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
+            # --adaptive-entropy: the coefficient as the last optimizer step left it
+            settings = loss_settings
+            if args.adaptive_entropy:
+                coef = applied_entropy_coef(entropy_coef, last_entropy, args.entropy_target)
+                settings = dataclasses.replace(loss_settings, entropy_coef=coef)
             # all ranks' unmasked tokens / ranks: DDP averages the gradients
             mb_rows = batch.rows(slice(mb, mb + minibatch))
             mb_tokens = minibatch_tokens(mb_rows.completion_mask, mb_rows.truncated)
             # the micro-batches of the minibatch's rows (its distinct ones, if any)
             micro_rows = trained[mb:mb + minibatch].split(micro)
+            measured = []  # --adaptive-entropy: (sum of H, tokens) per micro-batch
             for i, micro_idx in enumerate(micro_rows):
                 last = i == len(micro_rows) - 1
-                metrics = backward_micro(batch, prompts, micro_idx, mb_tokens, last)
+                metrics, entropy_sums = backward_micro(batch, prompts, micro_idx, mb_tokens,
+                                                       last, settings)
                 micro_metrics.append(metrics)
+                measured.append(entropy_sums)
             grad_norms.append(optimizer_step(step))
             opt_step += 1
+            # Skywork-OR1's controller: the next optimizer step's coefficient
+            if args.adaptive_entropy:
+                last_entropy = window_entropy(measured)
+                entropy_coef = next_entropy_coef(entropy_coef, last_entropy,
+                                                 args.entropy_target, args.entropy_coef_delta,
+                                                 args.entropy_coef_min, args.entropy_coef_max)
+            # TR-DPO: after every N-th optimizer step (TRL's on_step_end); the
+            # reference log-probs of this step's batch are already computed
+            if args.sync_ref_every and opt_step % args.sync_ref_every == 0:
+                mix_reference(ref_model, raw_model, args.ref_mixup_alpha)
     times["update"] = time.time() - t0
 
     # 4) push the new weights into the rollout engine (--async: once the next batch is in)
@@ -509,6 +632,8 @@ for step in bar:
     record = dict(step=step, **reward_stats, **sampling_stats)
     # over all micro-batches and ranks
     record.update(step_metrics(micro_metrics, grad_norms))
+    if args.adaptive_entropy:  # as the step's last optimizer step left it
+        record["entropy_coef"] = entropy_coef
     record["adv_mean"] = advantages.mean().item()
     record["adv_abs_mean"] = advantages.abs().mean().item()
     record["lr"] = cosine_lr(opt_step - 1, opt_steps_total, args.lr, args.warmup_steps)
@@ -544,9 +669,10 @@ for step in bar:
             wandb_run.log(record, step=step)
     if step % args.save_every == 0 or step == args.steps:
         trainer_state = dict(step=step, opt_step=opt_step, prompts_consumed=consumed,
+                             entropy_coef=entropy_coef, last_entropy=last_entropy,
                              config=run_config)
         checkpoint.save(ckpt_root, step, raw_model, optimizer, engine, tokenizer,
-                        trainer_state, args.keep_last, device, ahead)
+                        trainer_state, args.keep_last, device, ahead, moving_reference)
 
 # -----------------------------------------------------------------------------
 # The final policy (loadable by transformers, servable by vLLM), the plot, clean-up

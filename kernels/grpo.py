@@ -17,7 +17,8 @@ and T = the temperature. One pass over V in blocks, in fp32:
     logp  = d_id - log s                  (= log_softmax(x / T)[id])
     ratio = exp(logp - old_logp)          (exactly 1 without old_logps)
     pg    = w * objective                 (loss.py's pg_t; w = token_weight or 1)
-            "clip"   -min(ratio * A_b, clamp(ratio, 1 - eps_low, 1 + eps_high) * A_b)
+            "clip"   -min(r1 * A_b, clamp(ratio, 1 - eps_low, 1 + eps_high) * A_b),
+                     r1 = min(ratio, delta) with delta (INTELLECT-2), else ratio
             "cispo"  -sg(min(ratio, eps_high)) * A_b * logp
             "sapo"   -sigmoid(tau (ratio - 1)) * 4 / tau * A_b,
                      tau = tau_pos if A_b > 0 else tau_neg
@@ -34,7 +35,7 @@ x / T - max(x / T) would lose ulp(1e4 / T) ~ 1e-3.
 
 Backward, with g = d Loss / d loss, the upstream gradient of the per-token loss:
 
-    dpg/dlogp   = w * (clip:  -A * ratio * u;
+    dpg/dlogp   = w * (clip:  -A * ratio * (u [ratio <= delta] + (1 - u) c);
                        cispo: -sg(min(ratio, eps_high)) * A;
                        sapo:  -4 A * sigma (1 - sigma) * ratio,
                               sigma = sigmoid(tau (ratio - 1)))
@@ -44,17 +45,19 @@ Backward, with g = d Loss / d loss, the upstream gradient of the per-token loss:
     dlogits_j   = g / T * (dloss/dlogp * ([j == id] - p_j)
                            + entropy_coef * p_j (d_j - mu))
 
-u is 1 if the min picks the unclipped side, 0 if the clipped one. At a tie
-(torch splits it, and clamp passes its bounds) it is 1 inside
-[1 - eps_low, 1 + eps_high], else 1/2. p_j = exp(d_j - log s) is recomputed
-from the saved m and log s. The forward saves dloss/dlogp per token, so the
-backward reads only the logits and a few numbers per row.
+u is 1 if the min picks the unclipped side, 0 if the clipped one, 1/2 at a
+tie (torch splits it). c is 1 inside [1 - eps_low, 1 + eps_high], else 0;
+[ratio <= delta] is 1 without delta (clamp passes its bounds). Without delta
+the clipped side wins only outside the bounds, so the share is 1, 0, or
+(1 + c) / 2 at a tie. p_j = exp(d_j - log s) is recomputed from the saved m
+and log s. The forward saves dloss/dlogp per token, so the backward reads
+only the logits and a few numbers per row.
 
 Tests: python -m pytest -q tests/test_kernel.py (CPU: TRITON_INTERPRET=1);
 python -m bench kernel
 
 Simplifications:
-1. Only the token-level ratio: GSPO stays in loss.py. Reductions, weights,
+1. Only the token-level ratio: GSPO, luspo and vespo stay in loss.py. Reductions, weights,
    masks and metrics stay in PyTorch. loss.policy_loss (impl="triton"), the
    one caller in training, builds token_weight, reduces the per-token loss and
    reports the stats under grpo_loss's names. It passes entropy_coef=0: its
@@ -72,7 +75,7 @@ import triton.language as tl
 
 BLOCK_V = 4096  # logits per loop step: 8 KB of bf16 per program in flight
 NUM_WARPS = 8
-OBJECTIVES = {"clip": 0, "cispo": 1, "sapo": 2}  # grpo, bnpo, dr_grpo and dapo clip
+OBJECTIVES = {"clip": 0, "cispo": 1, "sapo": 2}  # grpo, bnpo, dr_grpo, dapo and luspo clip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +89,7 @@ class FusedLossOptions:
     kl_bias_correction: bool = False  # kl * ratio
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
+    delta: float | None = None  # "clip": INTELLECT-2's cap on the ratio (None: off)
     objective: str = "clip"  # "clip" (grpo, bnpo, dr_grpo, dapo), "cispo" or "sapo"
     entropy_coef: float = 0.0
     # write dlogits into the logits' storage (see fused_grpo_token_loss)
@@ -98,9 +102,10 @@ def _grpo_forward_kernel(
     ref_logps_ptr, weight_ptr, loss_ptr, logps_ptr, kl_ptr, entropy_ptr, clipped_low_ptr,
     clipped_high_ptr, row_max_ptr, log_sum_ptr, mean_d_ptr, dloss_dlogp_ptr,
     T, V, inv_temperature, ratio_low, ratio_high, beta, entropy_coef, tau_pos, tau_neg,
+    delta,
     OBJECTIVE: tl.constexpr, HAS_OLD: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     HAS_KL: tl.constexpr, KL_IS: tl.constexpr, HAS_ENTROPY: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    HAS_DELTA: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     # the token index b * T + t; int64 so that row * stride cannot overflow
     row = tl.program_id(0).to(tl.int64)
@@ -146,13 +151,22 @@ def _grpo_forward_kernel(
     if OBJECTIVE == 0:  # the clipped surrogate
         # torch.clamp
         clipped_ratio = tl.minimum(tl.maximum(ratio, ratio_low), ratio_high)
-        surrogate = ratio * advantage
-        clipped_surrogate = clipped_ratio * advantage
-        loss = -tl.minimum(surrogate, clipped_surrogate)
         # at a tie torch.minimum splits the gradient, and clamp's is 1 inside its bounds
         in_range = ((ratio >= ratio_low) & (ratio <= ratio_high)).to(tl.float32)
-        tie_share = tl.where(surrogate == clipped_surrogate, 0.5 + 0.5 * in_range, 0.0)
-        unclipped_share = tl.where(surrogate < clipped_surrogate, 1.0, tie_share)
+        clipped_surrogate = clipped_ratio * advantage
+        if HAS_DELTA:  # the two-sided clip: the unclipped side capped, after the clamp
+            surrogate = tl.minimum(ratio, delta) * advantage
+            below_cap = (ratio <= delta).to(tl.float32)  # clamp passes its bound
+            # with delta the min may pick the clipped side inside its bounds
+            tie_share = 0.5 * below_cap + 0.5 * in_range
+            clipped_share = tl.where(surrogate == clipped_surrogate, tie_share, in_range)
+            unclipped_share = tl.where(surrogate < clipped_surrogate, below_cap,
+                                       clipped_share)
+        else:
+            surrogate = ratio * advantage
+            tie_share = tl.where(surrogate == clipped_surrogate, 0.5 + 0.5 * in_range, 0.0)
+            unclipped_share = tl.where(surrogate < clipped_surrogate, 1.0, tie_share)
+        loss = -tl.minimum(surrogate, clipped_surrogate)
         dloss_dlogp = -advantage * ratio * unclipped_share  # d ratio / d logp = ratio
         tl.store(clipped_low_ptr + row, (ratio < ratio_low) & (advantage < 0))
         tl.store(clipped_high_ptr + row, (ratio > ratio_high) & (advantage > 0))
@@ -286,11 +300,11 @@ class _FusedGRPOTokenLoss(torch.autograd.Function):
             row_max, log_sum, mean_d, dloss_dlogp,
             T, V, 1.0 / float(o.temperature), 1.0 - float(o.epsilon_low), ratio_high,
             float(o.beta), float(o.entropy_coef), float(o.sapo_tau_pos),
-            float(o.sapo_tau_neg),
+            float(o.sapo_tau_neg), float(o.delta or 0.0),
             OBJECTIVE=OBJECTIVES[o.objective], HAS_OLD=old is not None,
             HAS_WEIGHT=weight is not None, HAS_KL=o.beta != 0,
             KL_IS=bool(o.kl_bias_correction), HAS_ENTROPY=entropy is not None,
-            BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
+            HAS_DELTA=o.delta is not None, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
         )
 
         ctx.save_for_backward(logits, ids, valid, row_max, log_sum, mean_d, dloss_dlogp)
@@ -330,7 +344,8 @@ def fused_grpo_token_loss(logits, ids, advantages, mask, old_logps=None, ref_log
     """The GRPO per-token loss straight from logits, before loss.reduce_loss.
 
     It is what loss.grpo_loss computes before reducing, for options' objective
-    ("clip" is loss types grpo, bnpo, dr_grpo and dapo; or "cispo", "sapo").
+    ("clip" is loss types grpo, bnpo, dr_grpo and dapo, with options.delta
+    too; or "cispo", "sapo").
 
     logits (B, T, V) bf16/fp16/fp32 with stride(-1) == 1 (views like
     logits[:, :-1] need no copy); ids, mask, old_logps, ref_logps,
@@ -373,6 +388,9 @@ def fused_grpo_token_loss(logits, ids, advantages, mask, old_logps=None, ref_log
                          f"(use the sampling temperature)")
     if o.objective not in OBJECTIVES:
         raise ValueError(f"objective={o.objective!r}: choose one of {tuple(OBJECTIVES)}")
+    if o.delta is not None and o.objective != "clip":
+        raise ValueError(f"delta caps the clipped surrogate's ratio: objective={o.objective!r} "
+                         f"has no clip (set delta=None)")
 
     outputs = _FusedGRPOTokenLoss.apply(logits, ids, advantages, mask, old_logps,
                                         ref_logps, token_weight, o)

@@ -279,6 +279,69 @@ def test_objectives_bf16_within_the_error_of_pytorch_bf16(loss_type):
     assert_within_bf16_error(ours, torch_bf16)
 
 
+# ---- delta: INTELLECT-2's two-sided clip ---------------------------------------
+
+# loss type, the IS weight, beta
+DELTA_GRID = list(itertools.product(["grpo", "dapo"], [None, 2.0], [0.0, 0.04]))
+
+
+@pytest.mark.parametrize("loss_type, tis_cap, beta", DELTA_GRID)
+def test_delta_matches_loss_py_fp32(loss_type, tis_cap, beta):
+    """ratio -> min(ratio, delta) in the clipped surrogate, forward and backward.
+
+    Sequence 1 (A < 0) has ratios e^0.5 > delta = 1.3, which the cap holds (no
+    policy gradient), and e^0.25 between 1 + eps_high and delta, which it lets
+    through; sequence 0 (A > 0) is clipped above as usual.
+    """
+    case = DELTA_GRID.index((loss_type, tis_cap, beta))
+    batch = make_batch(seed=case, temperature=0.7)
+    base, ids, advantages, mask, old_logps, ref_logps, sampling_logps = batch
+    logps = selective_log_softmax(base[:, :-1], ids, 0.7)  # (B, T)
+    old_logps[1, 0] = logps[1, 0] - 0.5
+    old_logps[1, 1] = logps[1, 1] - 0.25
+
+    out = compare(base, ids, advantages, mask, old_logps, ref_logps,
+                  sampling_logps=sampling_logps, tis_cap=tis_cap, loss_type=loss_type,
+                  temperature=0.7, epsilon_high=0.2, beta=beta, delta=1.3)
+    assert_matches(out, mask)
+
+    grad = out["grad"][0][:, :-1]  # (B, T, V)
+    if beta == 0:
+        assert grad[1, 0].abs().max() == 0 and grad[1, 1].abs().max() > 0
+    stats, _ = out["metrics"]
+    assert stats["is_clipped_high"][0, 0] and not stats["is_clipped_low"][1, :2].any()
+
+
+@pytest.mark.parametrize("delta", [1.0, 0.9])
+def test_delta_at_a_tie_and_below_one(delta):
+    """On-policy the ratio is exactly 1.
+
+    delta = 1 ties the two sides of the min (torch splits the gradient, and
+    both clamps pass it); delta = 0.9 makes the min pick the capped side where
+    A > 0 (no gradient) and the clipped one, inside its bounds, where A < 0.
+    The judge is TRL's formula in torch; loss.py refuses delta <= 1 + eps_high.
+    """
+    base, ids, advantages, mask, *_ = make_batch()
+    logits = base[:, :-1].detach().requires_grad_()
+
+    logps = selective_log_softmax(logits, ids)  # (B, T)
+    coef_1 = torch.exp(logps - logps.detach())  # (B, T)
+    coef_2 = torch.clamp(coef_1, 0.8, 1.2)
+    coef_1 = torch.clamp(coef_1, max=delta)
+    A = advantages.unsqueeze(-1)  # (B, 1)
+    expected = -torch.min(coef_1 * A, coef_2 * A) * mask  # (B, T)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), logits)
+
+    fused = logits.detach().clone().requires_grad_()
+    per_token, _, _ = call_fused(fused, ids, advantages, mask, delta=delta)
+    (grad,) = torch.autograd.grad(per_token.sum(), fused)
+
+    torch.testing.assert_close(per_token, expected.detach(), **TOL)
+    torch.testing.assert_close(grad, expected_grad, **TOL)
+    if delta < 1:  # sequence 0 (A > 0): capped, no gradient
+        assert grad[0].abs().max() == 0 and grad[1][mask[1] == 1].abs().max() > 0
+
+
 # ---- clip boundaries and ties --------------------------------------------------
 
 @pytest.mark.parametrize("epsilon_low, epsilon_high",
@@ -494,6 +557,8 @@ def test_bad_inputs_say_what_to_change():
         call_fused(logits, ids, advantages, mask, old_logps[:, :2])
     with pytest.raises(ValueError, match="objective='ppo'"):
         call_fused(logits, ids, advantages, mask, objective="ppo")
+    with pytest.raises(ValueError, match="objective='sapo' has no clip"):
+        call_fused(logits, ids, advantages, mask, objective="sapo", delta=4.0)
 
 
 def test_torch_compile_around_the_op_cpu():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from batch import UpdateBatch, high_entropy_mask, quantile_over_ranks, unique_rows
-from config import LOSS_TYPES
+from config import CLIPPED_LOSS_TYPES, LOSS_TYPES
 from loss import (LossSettings, choose_impl, grpo_loss, importance_weight,
                   off_policy_keep, policy_loss, policy_weight)
 from loss_calls import call_grpo_loss
@@ -276,9 +276,11 @@ def test_entropy_bonus_is_the_mean_token_entropy_whatever_the_loss_type(loss_typ
     if REDUCTION[loss_type] == "dapo":
         num_items = 4
 
+    level = "sequence" if loss_type == "luspo" else "token"
     loss, m = call_grpo_loss(torch.zeros(2, 3), None, None, torch.zeros(2), mask,
                              loss_type=loss_type, entropies=ent, entropy_coef=0.1,
-                             num_items=num_items, max_completion_length=8)
+                             num_items=num_items, max_completion_length=8,
+                             importance_sampling_level=level)
     assert loss.item() == pytest.approx(-0.25) and m["entropy"] == pytest.approx(2.5)
 
     loss.backward()
@@ -297,7 +299,7 @@ def test_micro_batch_losses_add_up_to_the_minibatch_loss(loss_type, options):
     the step's metrics (step_metrics) are the same at every micro-batch size.
     """
     logits, batch, settings, _ = _micro_batch(OPTIONS[options])
-    settings = LossSettings(loss_type=loss_type, **settings)
+    settings = _settings(loss_type, settings)
     # the 4 sequences are the whole minibatch
     tokens = minibatch_tokens(batch.completion_mask, batch.truncated)
 
@@ -354,14 +356,18 @@ def _gradcheck_inputs():
     return logps, logps - log_ratio, ref, adv, mask, entropies, log_ratio
 
 
-# cispo is not gradcheck-able by design: its weight sg(min(ratio, eps_high)) is
-# constant only to autograd (test_cispo_by_hand and the naive implementation
-# below check its gradient)
-SMOOTH_TYPES = [t for t in LOSS_TYPES if t != "cispo"]
+# cispo and vespo are not gradcheck-able by design: their weights,
+# sg(min(ratio, eps_high)) and sg(phi_i), are constant only to autograd
+# (test_cispo_by_hand, tests/test_loss_rows.py and the naive implementation
+# below check their gradients)
+SMOOTH_TYPES = [t for t in LOSS_TYPES if t not in ("cispo", "vespo")]
 KL_OPTIONS = [(0.0, False), (0.04, False), (0.04, True)]  # (beta, kl_bias_correction)
 
 
-GRADCHECK_CASES = list(itertools.product(SMOOTH_TYPES, ("token", "sequence"), KL_OPTIONS))
+# luspo is sequence-level only
+GRADCHECK_CASES = [case for case in itertools.product(SMOOTH_TYPES, ("token", "sequence"),
+                                                      KL_OPTIONS)
+                   if case[0] != "luspo" or case[1] == "sequence"]
 
 
 @pytest.mark.parametrize("loss_type, level, kl", GRADCHECK_CASES)
@@ -477,7 +483,32 @@ OPTIONS = {
     "token_mask": dict(old=False, beta=0.04, kl_bias_correction=True,
                        is_correction="token_mask", is_min=0.9, is_max=1.1,
                        sapo_tau_pos=0.5, sapo_tau_neg=2.0),
+    # INTELLECT-2's cap, which holds one A < 0 token (_micro_batch)
+    "delta": dict(epsilon_high=0.28, delta=1.5, beta=0.04, is_correction="token_truncate",
+                  is_max=2.0),
 }
+
+
+def _takes(loss_type, options):
+    """Whether LossSettings takes the option set with loss_type: vespo's ratio is
+    token-level, and delta caps the clipped surrogate only."""
+    o = OPTIONS[options]
+    if "delta" in o and loss_type not in CLIPPED_LOSS_TYPES:
+        return False
+    return loss_type != "vespo" or o.get("importance_sampling_level") != "sequence"
+
+
+def _settings(loss_type, settings, **fields):
+    """LossSettings(loss_type, **settings, **fields) as the loss type takes them:
+    luspo's ratio per sequence, vespo's IS weight per token (sequence_* ->
+    token_*)."""
+    settings = dict(settings, **fields)
+    if loss_type == "luspo":
+        settings["importance_sampling_level"] = "sequence"
+    if loss_type == "vespo":
+        is_correction = settings.get("is_correction", "off")
+        settings["is_correction"] = is_correction.replace("sequence", "token")
+    return LossSettings(loss_type=loss_type, **settings)
 
 
 def _micro_batch(options, n=4, T=3, V=64, device="cpu"):
@@ -502,6 +533,8 @@ def _micro_batch(options, n=4, T=3, V=64, device="cpu"):
     old = logps + 0.3 * torch.randn(n, T, generator=g)
     old[0, 0] = logps[0, 0] - 1  # clipped above (A > 0)
     old[3, 0] = logps[3, 0] + 1  # clipped below (A < 0)
+    if "delta" in options:
+        old[1, 0] = logps[1, 0] - 1  # ratio e > delta, A < 0: capped
     ref = old + 0.3 * torch.randn(n, T, generator=g)
     sampling = old + 0.2 * torch.randn(n, T, generator=g)
 
@@ -545,11 +578,11 @@ def _inline(logits, batch, settings, *, minibatch_size, minibatch_tokens):
     current = logps.detach()  # (n, T)
 
     ratio_old_logps = current if batch.old_logps is None else batch.old_logps
-    weight, stats = policy_weight(batch, ratio_old_logps, current, s)
+    weight, is_weight, stats = policy_weight(batch, ratio_old_logps, current, s)
     loss, metrics = grpo_loss(logps, batch.old_logps, batch.ref_logps, batch.advantages,
                               mask, s, entropies=entropies, token_weight=weight,
-                              truncated=batch.truncated, num_sequences=minibatch_size,
-                              num_items=minibatch_tokens)
+                              is_weight=is_weight, truncated=batch.truncated,
+                              num_sequences=minibatch_size, num_items=minibatch_tokens)
 
     if stats:
         metrics.update(token_stats(mask, stats))
@@ -557,10 +590,11 @@ def _inline(logits, batch, settings, *, minibatch_size, minibatch_tokens):
 
 
 @pytest.mark.parametrize("loss_type, options",
-                         list(itertools.product(LOSS_TYPES, OPTIONS)))
+                         [case for case in itertools.product(LOSS_TYPES, OPTIONS)
+                          if _takes(*case)])
 def test_policy_loss_torch_is_the_inline_step_bit_for_bit(loss_type, options):
     logits, batch, settings, share = _micro_batch(OPTIONS[options])
-    settings = LossSettings(loss_type=loss_type, impl="torch", **settings)
+    settings = _settings(loss_type, settings, impl="torch")
 
     expected, expected_metrics = _inline(logits, batch, settings, **share)
     (expected_grad,) = torch.autograd.grad(expected, logits)
@@ -570,7 +604,7 @@ def test_policy_loss_torch_is_the_inline_step_bit_for_bit(loss_type, options):
     assert torch.equal(scaled, expected) and torch.equal(grad, expected_grad)
     # names, order and values
     assert list(metrics.items()) == list(expected_metrics.items())
-    if loss_type not in ("cispo", "sapo"):  # off-policy inputs exercise clipping
+    if loss_type not in ("cispo", "sapo", "vespo"):  # off-policy inputs exercise clipping
         assert (metrics["clip_region"] > 0) == (batch.old_logps is not None)
 
 
@@ -583,6 +617,7 @@ TRITON_CASES = [
     ("sapo", "knobs"),
     ("grpo", "token_mask"),
     ("cispo", "token_mask"),
+    ("dapo", "delta"),
 ]
 
 
@@ -620,9 +655,10 @@ def test_policy_loss_triton_matches_torch(loss_type, options, monkeypatch):
 
 
 UNIQUE_CASES = [
-    *itertools.product(LOSS_TYPES, OPTIONS, ["torch"]),
+    *[(*case, "torch") for case in itertools.product(LOSS_TYPES, OPTIONS) if _takes(*case)],
     ("grpo", "all", "triton"),
     ("dapo", "knobs", "triton"),
+    ("grpo", "delta", "triton"),
 ]
 
 
@@ -645,7 +681,7 @@ def test_unique_rows_with_counts_are_the_whole_batch(loss_type, options, impl,
 
         monkeypatch.setattr(kernels.grpo, "BLOCK_V", 32)
     logits, batch, settings, _ = _micro_batch(OPTIONS[options])
-    settings = LossSettings(loss_type=loss_type, impl=impl, **settings)
+    settings = _settings(loss_type, settings, impl=impl)
 
     # (N,) the whole batch: rows 0 and 2 repeat
     index = torch.tensor([0, 0, 1, 2, 2, 2, 3])
@@ -708,6 +744,12 @@ def test_choose_impl_says_why_and_settings_errors():
         "torch", "auto: the kernel has no sequence-level ratio")
     assert choose_impl("auto", "cuda") == ("triton", "auto: the fused kernel on CUDA")
     assert choose_impl("torch", "cuda") == ("torch", "--loss-impl torch")
+    # luspo and vespo are sequence-level, on any device
+    for loss_type in ("luspo", "vespo"):
+        why = f"auto: --loss-type {loss_type} is sequence-level, the kernel per token"
+        assert choose_impl("auto", "cuda", "token", loss_type) == ("torch", why)
+        assert choose_impl("auto", "cpu", "sequence", loss_type) == ("torch", why)
+    assert choose_impl("auto", "cuda", "token", "dapo")[0] == "triton"
     with pytest.raises(ValueError, match="loss_impl"):
         choose_impl("fast", "cpu")
 
@@ -716,6 +758,8 @@ def test_choose_impl_says_why_and_settings_errors():
         LossSettings(impl="auto")
     with pytest.raises(ValueError, match="sequence"):
         LossSettings(impl="triton", importance_sampling_level="sequence")
+    with pytest.raises(ValueError, match="impl='torch' for loss_type='vespo'"):
+        LossSettings(impl="triton", loss_type="vespo")
 
 
 # ---- the knobs: each objective and mask by hand --------------------------------
@@ -888,11 +932,12 @@ def test_a_minibatch_of_only_truncated_completions_has_loss_zero(loss_type):
     tokens = minibatch_tokens(mask, truncated)
     assert tokens.item() == 1.0
 
+    level = "sequence" if loss_type == "luspo" else "token"
     loss, _ = call_grpo_loss(logps, old.float(), ref.float(), adv.float(), mask,
                              loss_type=loss_type, truncated=truncated,
                              entropies=ent.float(), beta=0.04, kl_bias_correction=True,
                              entropy_coef=0.01, num_items=tokens, num_sequences=4,
-                             max_completion_length=8)
+                             max_completion_length=8, importance_sampling_level=level)
     assert loss.item() == 0.0
 
     loss.backward()
@@ -961,14 +1006,16 @@ def test_step_metrics_takes_the_max_of_a_max():
 # ---- the knobs: autograd through a naive implementation ------------------------
 
 def _naive_weights(i, batch, settings, logp_all, old_all):
-    """{t: w_t} at sequence i's unmasked tokens: the IS weight and the off-policy
-    mask, from every unmasked token of the sequence."""
+    """({t: w_t}, {t: is_t}) at sequence i's unmasked tokens: the IS weight and
+    the off-policy mask, from every unmasked token of the sequence. vespo's IS
+    weight goes to is_t (its phi), the others' to w_t."""
     s = settings
     ids = batch.completion_ids
     sampling = batch.sampling_logps
     all_tokens = [t for t in range(ids.shape[1]) if batch.completion_mask[i, t]]
     diffs = {t: float(old_all[t] - sampling[i, t]) for t in all_tokens}
     weights = {t: 1.0 for t in all_tokens}
+    is_weights = {}
 
     if s.is_correction != "off":
         for t in all_tokens:
@@ -978,9 +1025,13 @@ def _naive_weights(i, batch, settings, logp_all, old_all):
                 r = math.exp(diffs[t])
 
             if s.is_correction.endswith("truncate"):
-                weights[t] = min(max(r, s.is_min), s.is_max)
+                w = min(max(r, s.is_min), s.is_max)
             else:
-                weights[t] = r if s.is_min <= r <= s.is_max else 0.0
+                w = r if s.is_min <= r <= s.is_max else 0.0
+            if s.loss_type == "vespo":
+                is_weights[t] = w
+            else:
+                weights[t] = w
 
     if s.off_policy_mask is not None and all_tokens:
         kl = [float(sampling[i, t] - logp_all[i, t, ids[i, t]].detach())
@@ -989,7 +1040,30 @@ def _naive_weights(i, batch, settings, logp_all, old_all):
         if batch.advantages[i] < 0 and seq_kl > s.off_policy_mask:
             weights = {t: 0.0 for t in all_tokens}
 
-    return weights
+    return weights, is_weights
+
+
+def _naive_phi(i, batch, settings, logp_all, old_all, is_weights):
+    """vespo's phi_i, in floats: log W_i = the clamped sum of sequence i's
+    clamped token log-ratios and log IS weights."""
+    s = settings
+    ids = batch.completion_ids
+    lowest = math.log(1e-8)
+
+    log_w = 0.0
+    for t in old_all:  # every unmasked token
+        log_ratio = float(logp_all[i, t, ids[i, t]].detach()) - float(old_all[t])
+        log_w += min(max(log_ratio, -20.0), 20.0)
+        if t in is_weights:
+            log_is = math.log(is_weights[t]) if is_weights[t] > 0 else -math.inf
+            log_w += min(max(log_is, lowest), 20.0)
+    log_w = min(max(log_w, lowest), 20.0)
+
+    if batch.advantages[i] >= 0:
+        k, lam = s.vespo_k_pos, s.vespo_lambda_pos
+    else:
+        k, lam = s.vespo_k_neg, s.vespo_lambda_neg
+    return math.exp(lam + k * log_w - lam * math.exp(log_w))
 
 
 def _naive_policy_loss(logits, batch, settings, *, minibatch_size, minibatch_tokens):
@@ -1025,7 +1099,9 @@ def _naive_policy_loss(logits, batch, settings, *, minibatch_size, minibatch_tok
                 old_all[t] = logp_all[i, t, ids[i, t]].detach()
             elif mask[i, t]:
                 old_all[t] = old[i, t]
-        weights = _naive_weights(i, batch, s, logp_all, old_all)
+        weights, is_weights = _naive_weights(i, batch, s, logp_all, old_all)
+        if s.loss_type == "vespo":
+            phi = _naive_phi(i, batch, s, logp_all, old_all, is_weights)
 
         # the per-token loss
         losses = []
@@ -1036,9 +1112,12 @@ def _naive_policy_loss(logits, batch, settings, *, minibatch_size, minibatch_tok
             elif s.loss_type == "sapo":
                 tau = s.sapo_tau_pos if A[i] > 0 else s.sapo_tau_neg
                 pg = -torch.sigmoid(tau * (r - 1)) * 4 / tau * A[i]
+            elif s.loss_type == "vespo":
+                pg = -phi * A[i] * lp[k]
             else:
                 clipped = torch.clamp(r, 1 - s.epsilon_low, 1 + s.epsilon_high)
-                pg = -torch.minimum(r * A[i], clipped * A[i])
+                capped = r if s.delta is None else torch.clamp(r, max=s.delta)
+                pg = -torch.minimum(capped * A[i], clipped * A[i])
 
             w = weights[t] * (1.0 if high_entropy is None else float(high_entropy[i, t]))
             d = batch.ref_logps[i, t] - lp[k]
@@ -1052,6 +1131,8 @@ def _naive_policy_loss(logits, batch, settings, *, minibatch_size, minibatch_tok
             total = total + sum(losses) / len(losses) / minibatch_size
         elif losses and s.loss_type == "dr_grpo":
             total = total + sum(losses) / (minibatch_size * s.max_completion_length)
+        elif losses and s.loss_type == "luspo":
+            total = total + sum(losses) / minibatch_size
         elif losses:
             total = total + sum(losses) / minibatch_tokens
 
@@ -1069,18 +1150,19 @@ def _double(batch):
     return UpdateBatch(**fields)
 
 
-NAIVE_OPTIONS = ("all", "on_policy_tis", "gspo", "knobs", "token_mask")
+NAIVE_OPTIONS = ("all", "on_policy_tis", "gspo", "knobs", "token_mask", "delta")
 
 
 @pytest.mark.parametrize("loss_type, options",
-                         list(itertools.product(LOSS_TYPES, NAIVE_OPTIONS)))
+                         [case for case in itertools.product(LOSS_TYPES, NAIVE_OPTIONS)
+                          if _takes(*case)])
 def test_policy_loss_matches_a_naive_implementation(loss_type, options):
     """Loss and gradient w.r.t. the logits (float64), for every loss type with
     every knob."""
     logits, batch, settings, share = _micro_batch(OPTIONS[options])
     logits = logits.detach().double().requires_grad_()
     batch = _double(batch)
-    settings = LossSettings(loss_type=loss_type, **settings)
+    settings = _settings(loss_type, settings)
     share["minibatch_tokens"] = minibatch_tokens(batch.completion_mask, batch.truncated)
 
     loss, _ = policy_loss(logits, batch, settings, **share)

@@ -102,7 +102,8 @@ def check_loss_type(loss_type, x):
 
     rank = torch.distributed.get_rank()
     world = torch.distributed.get_world_size()
-    settings = LossSettings(loss_type=loss_type, **SETTINGS)
+    level = "sequence" if loss_type == "luspo" else "token"  # luspo is GSPO's
+    settings = LossSettings(loss_type=loss_type, importance_sampling_level=level, **SETTINGS)
 
     # 2 ranks
     model = DDP(copy.deepcopy(x.layer))

@@ -129,6 +129,10 @@ def test_resolve_aliases_sets_what_tis_cap_stands_for():
 FLAG_OF_FIELD = {
     "sapo_tau_pos": "args.sapo_tau[0]",
     "sapo_tau_neg": "args.sapo_tau[1]",
+    "vespo_k_pos": "args.vespo_k[0]",
+    "vespo_k_neg": "args.vespo_k[1]",
+    "vespo_lambda_pos": "args.vespo_lambda[0]",
+    "vespo_lambda_neg": "args.vespo_lambda[1]",
     "max_completion_length": "args.max_new_tokens",
     "impl": "loss_impl",  # choose_impl's, from --loss-impl
 }

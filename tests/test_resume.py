@@ -2,7 +2,8 @@
 
 The kill comes after a checkpoint and mid-step, and the resumed run ends
 bit-identical to one that was never interrupted (weights and every logged
-metric), on 1 and 2 ranks. Also: a damaged latest checkpoint is skipped for the
+metric), on 1 and 2 ranks, and with --sync-ref-every's reference and
+--adaptive-entropy's controller, which the checkpoint holds too. Also: a damaged latest checkpoint is skipped for the
 one before; a second run on a live run's out-dir is refused on every rank;
 workers whose torchrun agent is killed stop on their own; a non-finite gradient
 stops the run with the step number and leaves the last good checkpoint.
@@ -121,10 +122,16 @@ def descendants(pid):
     return found
 
 
-RUNS = [(1, []), (2, []), (2, ["--fsdp"]), (1, ["--engine", "vllm"])]
+RUNS = [(1, []), (2, []), (2, ["--fsdp"]), (1, ["--engine", "vllm"]),
+        # the state that is not weights: a reference that moves (TR-DPO; mixed
+        # at steps 2, 4, ..., so the checkpoint resumed holds a moved one) and
+        # the entropy controller (coefficient and last entropy; target 100: on)
+        (1, ["--beta", "0.04", "--sync-ref-every", "2"]),
+        (1, ["--adaptive-entropy", "--entropy-target", "100"])]
 
 
-RUN_IDS = ["1rank", "2ranks", "2ranks-fsdp", "1rank-vllm"]
+RUN_IDS = ["1rank", "2ranks", "2ranks-fsdp", "1rank-vllm", "1rank-ref-sync",
+           "1rank-adaptive-entropy"]
 
 
 @pytest.mark.parametrize("nproc,extra", RUNS, ids=RUN_IDS)

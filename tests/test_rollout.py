@@ -214,6 +214,90 @@ def test_processed_logprobs(tiny, engine_and_model):
     assert (r.sampling_logps - expected).abs().max() < 1e-4
 
 
+def replayed_logps(model, rollout, temperature, **filters):
+    """HFEngine's filter (process_logits) replayed on each sampled token.
+
+    At step t of a completion the tokens seen are the prompt and the completion
+    before t. -> (N, T) log-probs, 0 where masked, -inf at a token the filter
+    drops.
+    """
+    logps = torch.zeros_like(rollout.sampling_logps)  # (N, T)
+    sequences = zip(rollout.prompt_ids, rollout.completion_ids, rollout.completion_mask)
+
+    with torch.no_grad():
+        for i, (prompt, ids, mask) in enumerate(sequences):
+            n = int(mask.sum())
+            seq = torch.tensor([prompt + ids[:n].tolist()])  # (1, P + n)
+            logits = model(seq).logits[0, len(prompt) - 1 : -1].float()  # (n, V)
+            for t in range(n):
+                seen = seq[:, : len(prompt) + t]  # (1, P + t)
+                scores = process_logits(logits[t : t + 1], seen, temperature, **filters)
+                logps[i, t] = scores.log_softmax(-1)[0, ids[t]]
+    return logps
+
+
+# each knob alone, then all of them: min-p before top-p is where the order shows
+PARITY_FILTERS = {
+    "top_k": dict(top_k=4),
+    "top_p": dict(top_p=0.8),
+    "min_p": dict(min_p=0.5),
+    "repetition_penalty": dict(repetition_penalty=1.5),
+    "combination": dict(top_k=12, top_p=0.7, min_p=0.4, repetition_penalty=1.3),
+}
+
+
+@pytest.mark.parametrize("name", list(PARITY_FILTERS))
+def test_hf_vllm_filter_parity(tiny, vllm_engine, name):
+    """The two engines sample from the same distribution at each sampling knob.
+
+    vLLM's sampling log-probs of its own completions equal HFEngine's filter
+    replayed on the same tokens (1e-4), and so do HFEngine's of its own. The
+    knob moves them (> 1e-2 off the unfiltered ones).
+    """
+    _, model, tokenizer, prompts = tiny
+    filters = PARITY_FILTERS[name]
+    vllm_engine.sync_weights(model)
+    hf_engine = HFEngine(model, tokenizer, seed=0)
+
+    for engine in (vllm_engine, hf_engine):
+        r = engine.generate(prompts, G, MAX_NEW, temperature=0.7, **filters)
+        mask = r.completion_mask.bool()  # (N, T)
+        ours = replayed_logps(model, r, 0.7, **filters)
+        assert torch.isfinite(ours[mask]).all(), f"{engine}: sampled a token HF drops"
+        err = (r.sampling_logps - ours).abs().max().item()
+        assert err < 1e-4, f"{type(engine).__name__} {filters}: off HF's by {err:.2e}"
+
+        unfiltered = replayed_logps(model, r, 0.7)
+        moved = (r.sampling_logps - unfiltered)[mask].abs().max().item()
+        assert moved > 1e-2, f"{filters} left the distribution as it was"
+
+
+def test_combined_filters_depend_on_the_order(tiny, vllm_engine):
+    """With min-p and top-p on, the order matters: transformers' warpers in
+    HFEngine's former order (top-k, top-p, then min-p) disagree with vLLM."""
+    from transformers.generation import logits_process as hf
+
+    _, model, _, prompts = tiny
+    vllm_engine.sync_weights(model)
+    r = vllm_engine.generate(prompts, G, MAX_NEW, temperature=0.7, top_k=12, top_p=0.7,
+                             min_p=0.4)
+    warpers = [hf.TopKLogitsWarper(12), hf.TopPLogitsWarper(0.7), hf.MinPLogitsWarper(0.4)]
+
+    worst = 0.0
+    for prompt, ids, mask, logps in zip(r.prompt_ids, r.completion_ids, r.completion_mask,
+                                        r.sampling_logps):
+        n = int(mask.sum())
+        seq = torch.tensor([prompt + ids[:n].tolist()])  # (1, P + n)
+        with torch.no_grad():
+            scores = model(seq).logits[0, len(prompt) - 1 : -1].float() / 0.7  # (n, V)
+        for warper in warpers:
+            scores = warper(seq, scores)
+        former = scores.log_softmax(-1).gather(1, ids[:n, None])[:, 0]  # (n,)
+        worst = max(worst, (former - logps[:n]).abs().max().item())
+    assert worst > 1e-2, (f"the former order agrees with vLLM here ({worst:.1e}): "
+                          f"these filters do not probe the order")
+
+
 def test_hf_filters_match_transformers_processors():
     """HFEngine's filters (process_logits) against transformers' own, one at a time.
 
