@@ -142,3 +142,26 @@ def train_parser():
     import config
 
     return config.parser
+
+
+def parse_flags(argv):
+    """train.py's flags from argv, the recipe's defaults filled in."""
+    import config
+
+    return config.fill_defaults(train_parser().parse_args(argv))
+
+
+def refused(argv, capsys):
+    """config.check_flags on argv must stop the run with one error line
+    (exit 2) -> that line."""
+    import pytest
+
+    import config
+
+    with pytest.raises(SystemExit) as e:
+        config.check_flags(parse_flags(argv))
+
+    out = capsys.readouterr().out
+    assert e.value.code == 2 and out.startswith("error: "), out
+    assert out.count("\n") == 1, out
+    return out
