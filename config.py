@@ -151,11 +151,22 @@ add("--vllm-url", default=None,
     help="server mode: http://HOST:PORT of `python server.py`")
 add("--async", dest="async_", action="store_true",
     help="server mode: sample the next batch during this update")
-add("--tools", default=None, choices=["python"],
-    help="ToRL: run each completion's ```python blocks, its output spliced in (tools.py)")
-add("--max-tool-calls", type=int_, default=4, help="--tools: calls per completion")
+add("--tools", nargs="+", default=None,
+    help="python: ToRL, each completion's ```python blocks run, the output spliced "
+    "in; or function tools by import path, module.fn ... (tools.py)")
+add("--environment", nargs="+", default=None,
+    help="TRL's environment_factory: module.Class, one instance per completion, its "
+    "methods the tools; several as name=module.Class, chosen by the rows' "
+    "environment column (environment.py)")
+add("--max-tool-calls", type=int_, default=4,
+    help="tools: rounds of calls per completion")
 add("--tool-output-tokens", type=number(int, 16), default=256,
-    help="--tools: an output block's tokens, fences included (more: its end is kept)")
+    help="tools: a result's tokens (more: its end is kept)")
+add("--tool-timeout", type=number(float, 0, 600, low_open=True), default=10.0,
+    help="tools: seconds a call may take; then its process is killed")
+add("--chat-template", default=None,
+    help="a Jinja chat template file used instead of the tokenizer's "
+    "(assets/chatml_tools.jinja: ChatML with tool calls)")
 
 # --- rewards
 add("--rewards", nargs="+", default=None,
@@ -276,13 +287,16 @@ def parse_args(argv=None):
 # -----------------------------------------------------------------------------
 # The recipe: what fills the flags left at None
 
-def defaults(builtin_task, tiny_model, digits, rewards=None, lora=False, tools=False):
+def defaults(builtin_task, tiny_model, digits, rewards=None, lora=False, tools=None,
+             environment=False):
     """The recipe behind every flag left at None.
 
     The built-in task's: a tiny model from scratch, so a high lr, an entropy
     bonus, and exact match plus position shaping.
-    A --dataset's: R1's (format 0.1 + accuracy 1.0). With --tools, the tools'
-    system prompt and accuracy alone (that prompt asks for no <think> format).
+    A --dataset's: R1's (format 0.1 + accuracy 1.0). With tools, the final
+    number alone (final_number_reward); --tools python adds its system prompt
+    (which asks for no <think> format). An --environment's: no reward but the
+    environment's own, unless --rewards.
     Rewards given without weights weigh 1 each. LoRA (--lora-rank) trains with
     a 10x higher lr.
     """
@@ -303,15 +317,32 @@ def defaults(builtin_task, tiny_model, digits, rewards=None, lora=False, tools=F
             eval_reward="accuracy_reward",
         )
 
+    # with tools the answer must be written out: final_number_reward, not
+    # math-verify's, which scores "123 * 509" as its value
     if tools and not builtin_task:
-        recipe.update(system_prompt=TOOLS_SYSTEM_PROMPT, rewards=["accuracy_reward"],
-                      reward_weights=[1.0])
+        recipe.update(rewards=["final_number_reward"], reward_weights=[1.0],
+                      eval_reward="final_number_reward")
+    if tools == "python" and not builtin_task:
+        recipe.update(system_prompt=TOOLS_SYSTEM_PROMPT)
+    # an environment may own the reward (get_reward): train.py adds it, and
+    # the evaluation's default is it (else final_number_reward)
+    if environment and not builtin_task:
+        recipe.update(rewards=[], reward_weights=[], eval_reward=None)
 
     # LoRA's best lr is ~10x full fine-tuning's (docs/benchmarks.md)
     recipe["lr"] = (3e-4 if tiny_model else 1e-6) * (10 if lora else 1)
     if rewards:
         recipe["reward_weights"] = [1.0] * len(rewards)
     return recipe
+
+
+def tool_kind(tools):
+    """--tools -> "python" (ToRL's fences), "functions", or None."""
+    if tools is None:
+        return None
+    if tools == ["python"]:
+        return "python"
+    return "functions"
 
 
 def fill_defaults(args):
@@ -322,7 +353,8 @@ def fill_defaults(args):
         digits=args.task_digits,
         rewards=args.rewards,
         lora=args.lora_rank > 0,
-        tools=args.tools is not None,
+        tools=tool_kind(args.tools),
+        environment=args.environment is not None,
     )
 
     for k, v in recipe.items():
@@ -337,6 +369,10 @@ def fill_defaults(args):
 # A flag that matters only under another one: given without it, it would be
 # ignored in silence.
 # flag (its dest) -> (is the other one on?, what to add)
+def uses_tools(args):
+    return args.tools is not None or args.environment is not None
+
+
 DEPENDS_ON = {
     "lora_alpha": (lambda a: a.lora_rank > 0, "--lora-rank R"),
     "lora_dropout": (lambda a: a.lora_rank > 0, "--lora-rank R"),
@@ -353,8 +389,9 @@ DEPENDS_ON = {
     "system_prompt": (lambda a: a.dataset is not None,
                       "--dataset (the built-in task has none)"),
     "task_digits": (lambda a: a.dataset is None, "the built-in task: drop --dataset"),
-    "max_tool_calls": (lambda a: a.tools is not None, "--tools python"),
-    "tool_output_tokens": (lambda a: a.tools is not None, "--tools python"),
+    "max_tool_calls": (uses_tools, "--tools or --environment"),
+    "tool_output_tokens": (uses_tools, "--tools or --environment"),
+    "tool_timeout": (uses_tools, "--tools or --environment"),
     "is_min": (lambda a: a.is_correction != "off", "--is-correction MODE"),
     "is_max": (lambda a: a.is_correction != "off", "--is-correction MODE"),
     "sapo_tau": (lambda a: a.loss_type == "sapo", "--loss-type sapo"),
@@ -412,11 +449,19 @@ def check_flags(args):
         ("the built-in digit task (no --dataset)", args.dataset is None),
     ]
     no_tools = ", ".join(mode for mode, on in modes if on)
+    tools_flag = "--tools " + " ".join(args.tools or [])
+    if args.environment:
+        tools_flag = "--environment"
 
     checks = [
-        (not (args.tools and no_tools),
-         f"--tools {args.tools} does not run with {no_tools} yet (the tool loop "
+        (not (uses_tools(args) and no_tools),
+         f"{tools_flag} does not run with {no_tools} yet (the tool loop "
          f"wraps a colocated engine, one per rank): drop one of the two"),
+        (not ("python" in (args.tools or []) and (args.environment or len(args.tools) > 1)),
+         "--tools python (ToRL's fenced code) runs alone: for the python tool beside "
+         "others, use --environment environments.python_tool.PythonTool"),
+        (args.chat_template is None or os.path.isfile(args.chat_template),
+         f"--chat-template {args.chat_template}: no such file"),
 
         (args.prompts_per_step >= world,
          f"--prompts-per-step {args.prompts_per_step} < {world} ranks: "
@@ -479,7 +524,8 @@ def check_flags(args):
         (len(args.reward_weights) == len(args.rewards),
          f"--reward-weights has {len(args.reward_weights)} values for "
          f"{len(args.rewards)} --rewards: give one per reward"),
-        (any(args.reward_weights),
+        # an --environment's get_reward weighs 1 (train.py adds it)
+        (any(args.reward_weights) or args.environment,
          "--reward-weights are all 0: every advantage would be 0 and nothing "
          "learned; give a reward a non-zero weight"),
 

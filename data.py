@@ -75,7 +75,8 @@ _LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parqu
 
 
 # The keywords every reward function already gets (tool_calls: with --tools).
-RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "tool_calls")
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "tool_calls",
+                    "environment_rewards")
 
 
 def load_prompt_dataset(name_or_path, *, config=None, split="train",
@@ -238,26 +239,30 @@ def gsm8k_gold(answer):
     return last.split("\n")[0].replace(",", "")
 
 
-def render_prompts(tokenizer, questions, system_prompt=DEFAULT_SYSTEM_PROMPT):
+def render_prompts(tokenizer, questions, system_prompt=DEFAULT_SYSTEM_PROMPT, tools=None):
     """Questions -> (prompt_texts, conversational).
 
     A question is a string, or a conversation as a list of {"role", "content"}.
     With a chat template: system + user messages, rendered with the generation
-    prompt, conversational=True. Without one: plain text in the R1-Zero style,
+    prompt, conversational=True; tools, one list of JSON schemas per question,
+    go to the template's tools=. Without one: plain text in the R1-Zero style,
     "{system_prompt}\n\nUser: {question}\nAssistant:", conversational=False. Only
     the question is left when system_prompt is None or empty.
     """
     if getattr(tokenizer, "chat_template", None):
         system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        if tools is None:
+            tools = [None] * len(questions)
 
         texts = []
-        for q in questions:
+        for q, schemas in zip(questions, tools, strict=True):
             messages = [{"role": "user", "content": q}] if isinstance(q, str) else list(q)
             # a conversation that brings its own system prompt keeps it
             if messages[0]["role"] != "system":
                 messages = system + messages
+            # `or None`: some templates write their tools preamble for tools=[]
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                 tokenize=False)
+                                                 tokenize=False, tools=schemas or None)
             texts.append(text)
         return texts, True
 
@@ -314,12 +319,23 @@ def load_rows(dataset, *, digits, eval_size, seed, config, split, eval_split,
     return train, held_out[:eval_size]
 
 
+def with_observation(question, observation):
+    """The question with an environment's reset text appended to its last
+    message, as TRL does."""
+    if isinstance(question, str):
+        return question + observation
+
+    last = dict(question[-1], content=question[-1]["content"] + observation)
+    return list(question[:-1]) + [last]
+
+
 def prepare_prompts(tokenizer, rows, system_prompt, max_len, what, raw=False, log=print,
-                    min_rows=1):
+                    min_rows=1, tools_of=None):
     """Rows -> (kept rows, their token ids, conversational).
 
     1. Render: the chat template and the system prompt, or plain text. raw keeps
-       the question as it is, as the built-in task wants.
+       the question as it is, as the built-in task wants. tools_of(row): the
+       JSON schemas its prompt shows.
     2. Encode.
     3. Drop the prompts over max_len tokens.
     ValueError when fewer than min_rows are left (train.py: each rank evaluates a
@@ -330,11 +346,14 @@ def prepare_prompts(tokenizer, rows, system_prompt, max_len, what, raw=False, lo
         system_prompt = DEFAULT_SYSTEM_PROMPT
 
     questions = [r["prompt"] for r in rows]
+    tools = None
+    if tools_of is not None:
+        tools = [tools_of(r) for r in rows]
     if raw:
         texts = questions
         conversational = False
     else:
-        texts, conversational = render_prompts(tokenizer, questions, system_prompt)
+        texts, conversational = render_prompts(tokenizer, questions, system_prompt, tools)
 
     # (a chat template writes its own BOS)
     ids = encode_prompts(tokenizer, texts, conversational)

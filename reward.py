@@ -4,16 +4,17 @@ The contract is TRL GRPOTrainer's: fn(completions, **columns) -> list[float |
 None], called once per batch. It gets the completions (N strings, or N
 conversations [{"role": "assistant", "content": ...}]), the prompts,
 completion_ids (N lists of token ids) and every other dataset column, each a
-list of N. With --tools it gets tool_calls too (tools.py), and the texts and
-ids then hold the tool outputs.
+list of N. With tools it gets tool_calls and environment_rewards too
+(tools.py), and the texts and ids then hold the tool results; chat completions
+are then the conversation of assistant and tool turns.
 
 compute_rewards stacks F of them into (N, F), NaN for None (advantage.py skips
 it), each run in a thread under --reward-timeout. score does it for a rollout,
 and stops every rank if one fails.
 
 Built-ins, by name (REWARD_FUNCS): accuracy_reward and reasoning_accuracy_reward
-(math-verify), think_format_reward, exact_match_reward and code_reward
-(sandbox.py). Factories: get_soft_overlong_punishment (DAPO) and
+(math-verify), think_format_reward, exact_match_reward, final_number_reward
+(the tools' default) and code_reward (sandbox.py). Factories: get_soft_overlong_punishment (DAPO) and
 get_reward_model_func (a learned reward model).
 
 Run the tests: python -m pytest -q tests/test_reward.py tests/test_data.py
@@ -167,6 +168,58 @@ def exact_match_reward(completions, solution, **kw):
     return rewards
 
 
+# a number as the policy writes a final answer: 1,234 or -7 or 2.50
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def final_number_reward(completions, solution, **kw):
+    """1.0 when the last number of the final answer equals the gold number, else
+    0.0 (None: no gold). The final answer is a conversation's last message, or
+    a ToRL transcript's text after its last ```output block: the policy must
+    write the number itself. Not accuracy_reward, which scores an unevaluated
+    "123 * 509" as its value, a reward a tool recipe earns without the tool."""
+    rewards = []
+    for c, sol in zip(completions, solution, strict=True):
+        if sol is None:
+            rewards.append(None)
+            continue
+
+        text = _text(c)
+        if not isinstance(c, str) and c[-1].get("role") != "assistant":
+            # it ended on a tool's result: the policy wrote no answer after it
+            text = ""
+        if "```output" in text:
+            after = text.rsplit("```output", 1)[1]
+            # the output block's closing fence, then the policy's words
+            text = after.split("```", 1)[1] if "```" in after else ""
+        numbers = NUMBER.findall(text)
+        rewards.append(float(bool(numbers) and _same_number(numbers[-1], sol)))
+    return rewards
+
+
+def _same_number(written, gold):
+    try:
+        return float(written.replace(",", "")) == float(str(gold).replace(",", ""))
+    except ValueError:
+        return False
+
+
+def environment_reward_func(name):
+    """An environment's get_reward as a reward function, named after its class
+    (TRL's column): the rollout's environment_rewards, None for the rows of
+    another class."""
+    def reward(completions, environment_rewards, **kw):
+        return [value if owner == name else None
+                for owner, value in map(_owner_value, environment_rewards)]
+
+    reward.__name__ = name
+    return reward
+
+
+def _owner_value(pair):
+    return pair if pair is not None else (None, None)
+
+
 def get_soft_overlong_punishment(max_completion_len, soft_punish_cache):
     """DAPO's soft overlong punishment (eq. 13) on completion token counts: 0 up
     to L_max - L_cache tokens, then a linear ramp down to -1 at L_max, -1
@@ -190,7 +243,7 @@ def get_soft_overlong_punishment(max_completion_len, soft_punish_cache):
 REWARD_FUNCS = {
     fn.__name__: fn
     for fn in (accuracy_reward, reasoning_accuracy_reward, think_format_reward,
-               exact_match_reward, code_reward)
+               exact_match_reward, final_number_reward, code_reward)
 }
 
 
@@ -379,15 +432,20 @@ def score(funcs, rows, rollout, conversational, timeout):
     every rank alike."""
     columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
     if hasattr(rollout, "tool_calls"):
-        # --tools: each completion's calls (tools.ToolRollout)
+        # tools: each completion's calls, its environment's score
+        # (tools.ToolRollout)
         columns["tool_calls"] = rollout.tool_calls
+        columns["environment_rewards"] = rollout.environment_rewards
 
     # (N,) every token: the policy's and, with --tools, the tool outputs'
     every = rollout.completion_mask + getattr(rollout, "tool_mask", 0)
     lengths = every.sum(1).int().tolist()
     ids = [c[:k] for c, k in zip(rollout.completion_ids.tolist(), lengths)]
     texts = rollout.texts
-    if conversational:
+    if conversational and hasattr(rollout, "messages"):
+        # the assistant and tool turns, as TRL gives them
+        texts = rollout.messages
+    elif conversational:
         texts = [[{"role": "assistant", "content": t}] for t in rollout.texts]
 
     error = None

@@ -174,9 +174,15 @@ def run_program(job, fd, nonce):
     namespace = {"__name__": "solution", "__builtins__": __builtins__}
     try:
         exec(compile(job["program"], "solution.py", "exec"), namespace)
+    except SystemExit as e:
+        # sys.exit(0) and sys.exit() end a program as running to the end does;
+        # another status is a failure the policy must see
+        if out and e.code not in (None, 0):
+            print(f"SystemExit: the program exited with status {e.code}")
+            out.report("error")
     except BaseException as e:
         # tests: what it defined before failing still gets tested
-        if out and not isinstance(e, SystemExit):
+        if out:
             traceback.print_exception(type(e), e, e.__traceback__.tb_next)
             out.report("error")
     if out:

@@ -1,69 +1,68 @@
 """
-Tool calls inside the rollout, ToRL style (arXiv 2503.23383; train.py --tools
-python). When a completion closes a ```python block, the code runs in the
-sandbox (sandbox.run_code), its output is appended as tokens, and generation goes
-on after it:
+Multi-turn rollouts: the policy calls tools, reads their results, and goes on
+(train.py --tools python, --tools module.fn, --environment module.Class).
 
-    completion = policy ... ```python\\nCODE```
-                 | ```output\\nOUTPUT\\n```\\n
-                 | policy ... EOS
+    completion = policy ... <call> | <result> | policy ... <call> | <result> | policy ... EOS
     completion_mask: 1 on the policy's tokens (the loss trains on these)
-    tool_mask:       1 on the outputs
+    tool_mask:       1 on the results
 
-    # any rollout engine inside
-    engine = ToolEngine(engine, tokenizer, max_calls=4, output_tokens=256)
-    # -> ToolRollout
-    rollout = engine.generate(prompt_ids, G, max_new_tokens, temperature=1.0)
+    engine = ToolEngine(engine, tokenizer, TemplateFormat(tokenizer, 256), specs,
+                        max_calls=4, timeout_s=10.0, render=render)
+    rollout = engine.generate(prompt_ids, G, max_new_tokens, rows=rows)  # -> ToolRollout
 
-The rewards see the whole transcript, outputs included, and a tool_calls column
-(reward.score).
+Each completion gets its own environment instance (environment.py), reset with
+its row. tool_format.py says what a call and a result look like: ToRL's fenced
+code, or the chat template's tool calls. The rewards see the whole transcript,
+results included, as a conversation of assistant and tool turns when the prompts
+are chat, and the columns tool_calls and, where an environment scores,
+environment_reward (reward.py).
 
-Tests: python -m pytest -q tests/test_tools.py
+Tests: python -m pytest -q tests/test_tools.py tests/test_environment.py
 A learning run: python -m bench tools_run
 
 Simplifications:
-1. Rounds: the inner engine generates every row to its end. Then a row that
-   closed a block is cut right after the token that closed it, and what it
-   sampled later is thrown away. Sampling is autoregressive, so the kept prefix
-   is exactly what a stop at that token would have produced.
-2. A round's calls run together (sandbox.WORKERS at a time). Then the rows with
-   budget left go on as new prompts (prompt + transcript, one completion each),
-   in one inner generate call per round. A row without calls never waits; a
-   slow call delays its round, at most the timeout.
+1. Rounds: the inner engine generates every row to its end (EOS, for the
+   template's calls). A row whose text holds a call is cut right after it
+   (FenceFormat: after the closing fence), and what it sampled later is thrown
+   away. Sampling is autoregressive, so the kept prefix is exactly what a stop
+   there would have produced.
+2. A round's calls run together, each instance in its own process. Then the rows
+   with budget left go on as new prompts (prompt + transcript, one completion
+   each), in one inner generate call per round. A slow call delays its round, at
+   most --tool-timeout.
 3. Each continuation reads its prompt and transcript again: vLLM's prefix cache
    (on by default) serves it from cache; HFEngine prefills it again.
-4. --max-new-tokens bounds the whole completion, outputs included. An output is
+4. --max-new-tokens bounds the whole completion, results included. A result is
    cut to the budget left, a continuation to its row's own budget (the inner
    call asks for the largest one).
-5. After max_calls calls a row generates on, and its further blocks do not run.
-   An output longer than output_tokens (fences included) keeps its last tokens:
-   a traceback's error, the last prints.
-6. An output's tokens are its text encoded alone, not necessarily how the whole
+5. --max-tool-calls bounds the rounds of a completion, as TRL's
+   max_tool_calling_iterations; after them a row's calls do not run.
+6. A result's tokens are its text encoded alone, not necessarily how the whole
    transcript would tokenize. The trainer never re-tokenizes, so the policy is
    trained on exactly what it saw.
 """
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-import sandbox
+import environment
 from model import pad_id
-from rollout import Rollout, build_rollout
-
-
-# a closed ```python block; group 1 is its code
-FENCE = re.compile(r"```(?:python|py)3?[ \t]*\n(.*?)```", re.DOTALL)
+from rollout import Rollout, build_rollout, call_seed
+from tool_format import FenceFormat, TemplateFormat
 
 
 @dataclass
 class ToolRollout(Rollout):
-    # (N, T) float, 1 at tool-output tokens (completion_mask: 0)
+    # (N, T) float, 1 at tool-result tokens (completion_mask: 0)
     tool_mask: torch.Tensor
-    # (N,) per completion: code, output, status, error, seconds
+    # (N,) per completion: name, arguments, output, error, seconds
     tool_calls: list[list[dict]]
+    # (N,) per completion: its assistant and tool turns
+    messages: list[list[dict]]
+    # (N,) per completion: (environment class, get_reward's value), or None
+    environment_rewards: list
 
 
 def unpad(rollout):
@@ -79,140 +78,173 @@ def unpad(rollout):
 
 
 class ToolEngine:
-    """Wraps a rollout engine (HFEngine, VLLMEngine): its generate with tool calls
-    spliced in. state_dict, load_state_dict, sync_weights and close are the inner
-    engine's."""
+    """Wraps a rollout engine (HFEngine, VLLMEngine): its generate, with the tool
+    calls run and their results spliced in. state_dict, load_state_dict,
+    sync_weights and close are the inner engine's."""
 
-    def __init__(self, engine, tokenizer, max_calls=4, output_tokens=256, timeout_s=None):
+    def __init__(self, engine, tokenizer, call_format, specs, *, max_calls=4,
+                 timeout_s=10.0, render=None):
         self.engine = engine
         self.tokenizer = tokenizer
+        self.format = call_format
+        # {environment name: environment.EnvironmentSpec}
+        self.specs = specs
         self.max_calls = max_calls
-        self.output_tokens = output_tokens
-        # None: sandbox.TIMEOUT_S
         self.timeout_s = timeout_s
+        # render(row, observation) -> the prompt's ids with reset's text appended
+        self.render = render
 
-    def generate(self, prompt_ids, G, max_new_tokens, temperature=1.0, **sampling):
-        """G completions per prompt, as the inner engine samples them, each call's
-        output spliced in (simplifications 1-5) -> ToolRollout."""
-        rollout = self.engine.generate(prompt_ids, G, max_new_tokens,
-                                       temperature=temperature, **sampling)
-        prompts = rollout.prompt_ids  # (N,)
+    def generate(self, prompt_ids, G, max_new_tokens, temperature=1.0, rows=None,
+                 **sampling):
+        """G completions per prompt (rows: the prompts' dataset rows, for reset),
+        each with its calls run (simplifications 1-5) -> ToolRollout."""
+        if rows is None:
+            rows = [{} for _ in prompt_ids]
+        rows = [row for row in rows for _ in range(G)]  # (N,)
+        N = len(rows)
+
+        # one instance per completion; seeded by the engine's position, which a
+        # resume restores
+        seed = call_seed(self.engine.seed, self.engine.calls) * 1000
+        instances, observations = environment.start(self.specs, rows, seed,
+                                                    self.timeout_s)
+        try:
+            prompts = [prompt_ids[i // G] for i in range(N)]  # (N,)
+            for i, observation in enumerate(observations):
+                if observation is not None:
+                    prompts[i] = self.render(rows[i], observation)
+
+            if all(prompts[i] == prompts[i - i % G] for i in range(N)):
+                rollout = self.engine.generate(prompt_ids, G, max_new_tokens,
+                                               temperature=temperature, **sampling)
+            else:
+                # reset gave the G rollouts of a prompt different prompts
+                rollout = self.engine.generate(prompts, 1, max_new_tokens,
+                                               temperature=temperature, **sampling)
+
+            transcripts = self.converse(rollout, prompts, instances, max_new_tokens,
+                                        temperature, sampling)
+            rewards = [self.reward(instance, row) for instance, row in zip(instances, rows)]
+        finally:
+            for instance in instances:
+                instance.close()
+
+        return self.build(prompts, transcripts, rewards)
+
+    def converse(self, rollout, prompts, instances, max_new_tokens, temperature,
+                 sampling):
+        """The rounds: keep each row's turn, run its calls, splice the results in,
+        generate on. -> per row dict(ids, logps, tool, calls, messages,
+        finished)."""
         N = len(prompts)
-
-        # the transcripts: policy and tool tokens, in order
-        ids = [[] for _ in range(N)]
-        # the sampler's log-probs, 0.0 at tool tokens
-        logps = [[] for _ in range(N)]
-        # 1 at tool tokens
-        tool = [[] for _ in range(N)]
-        calls = [[] for _ in range(N)]
-        finished = [False] * N
+        rows = [dict(ids=[], logps=[], tool=[], calls=[], messages=[], rounds=0,
+                     finished=False) for _ in range(N)]
         # the rows the last inner call generated
-        rows = list(range(N))
+        active = list(range(N))
 
-        while rows:
-            # 1. keep each row's segment up to its first closed block
-            pending = []  # (row, code, its text so far) of this round's calls
-            for i, (segment, segment_logps, eos) in zip(rows, unpad(rollout)):
+        while active:
+            # 1. keep each row's segment up to its calls
+            pending = []
+            for i, (segment, segment_logps, eos) in zip(active, unpad(rollout)):
+                row = rows[i]
                 # each row to its own budget
-                segment = segment[:max_new_tokens - len(ids[i])]
-                keep = len(segment)
-                code = None
-                if len(calls[i]) < self.max_calls:
-                    keep, code, text = self.find_call(segment)
+                segment = segment[:max_new_tokens - len(row["ids"])]
+                keep, calls, text = len(segment), [], None
+                if row["rounds"] < self.max_calls:
+                    keep, calls, text = self.format.find_calls(segment)
 
-                finished[i] = eos and keep == len(segment_logps)
-                ids[i] += segment[:keep]
-                logps[i] += segment_logps[:keep]
-                tool[i] += [0] * keep
-                if code is not None and len(ids[i]) < max_new_tokens:
-                    pending.append((i, code, text))
+                row["finished"] = eos and keep == len(segment_logps) and not calls
+                row["ids"] += segment[:keep]
+                row["logps"] += segment_logps[:keep]
+                row["tool"] += [0] * keep
+                if text is None:
+                    text = self.tokenizer.decode(segment[:keep], skip_special_tokens=True)
+                row["messages"].append(self.assistant_turn(text, calls))
+                if calls and len(row["ids"]) < max_new_tokens:
+                    pending.append((i, calls, text))
 
-            # 2. run the round's calls and splice their outputs in
-            rows = []
-            results = self.run(pending)
-            for (i, code, text), (output, status, seconds) in zip(pending, results):
+            # 2. run the round's calls, splice their results in
+            active = []
+            for (i, calls, text), results in zip(pending, self.run(pending, instances)):
+                row = rows[i]
+                row["rounds"] += 1
+                outputs = [output for output, _, _ in results]
+                block = self.format.result_ids(text, calls, outputs)
+                block = block[:max_new_tokens - len(row["ids"])]
 
-                lead = "" if text.endswith("\n") else "\n"
-                block = self.output_ids(output, lead)[:max_new_tokens - len(ids[i])]
-                ids[i] += block
-                logps[i] += [0.0] * len(block)
-                tool[i] += [1] * len(block)
-                calls[i].append(dict(code=code, output=output, status=status,
-                                     error=status != "ok", seconds=seconds))
-                if len(ids[i]) < max_new_tokens:
-                    rows.append(i)
+                row["ids"] += block
+                row["logps"] += [0.0] * len(block)
+                row["tool"] += [1] * len(block)
+                for call, (output, error, seconds) in zip(calls, results):
+                    record = dict(name=call["name"], arguments=call["arguments"],
+                                  output=output, error=error, seconds=seconds)
+                    row["calls"].append(record)
+                    row["messages"].append(dict(role="tool", name=call["name"],
+                                                content=output))
+                if len(row["ids"]) < max_new_tokens:
+                    active.append(i)
 
             # 3. the rows with budget left go on, each from its whole transcript
-            if rows:
-                budget = max(max_new_tokens - len(ids[i]) for i in rows)
-                continuations = [prompts[i] + ids[i] for i in rows]
+            if active:
+                budget = max(max_new_tokens - len(rows[i]["ids"]) for i in active)
+                continuations = [prompts[i] + rows[i]["ids"] for i in active]
                 rollout = self.engine.generate(continuations, 1, budget,
                                                temperature=temperature, **sampling)
 
-        return self.build(prompt_ids, G, ids, logps, tool, calls, finished)
+        return rows
 
-    def build(self, prompt_ids, G, ids, logps, tool, calls, finished):
+    def run(self, pending, instances):
+        """A round's calls [(row, calls, text)], all rows at once -> per row
+        [(output, error, seconds)]."""
+        def row_calls(item):
+            i, calls, _ = item
+            results = []
+            for call in calls:
+                start = time.perf_counter()
+                if call["error"] is not None:
+                    output, error = call["error"], True
+                else:
+                    output, error = instances[i].call(call["name"], call["arguments"])
+                results.append((output, error, time.perf_counter() - start))
+            return results
+
+        # threads only wait on the environments' processes
+        with ThreadPoolExecutor(max(1, min(32, len(pending)))) as pool:
+            return list(pool.map(row_calls, pending))
+
+    def assistant_turn(self, text, calls):
+        """The policy's turn as a message, its calls as TRL writes them."""
+        message = dict(role="assistant", content=text)
+        readable = [c for c in calls if c["error"] is None]
+        if readable:
+            message["tool_calls"] = [
+                dict(type="function", function=dict(name=c["name"], arguments=c["arguments"]))
+                for c in readable]
+        return message
+
+    def reward(self, instance, row):
+        """get_reward's value, as (class name, value), or None: no such method."""
+        spec = environment.spec_of(self.specs, row)
+        if not spec.has_reward:
+            return None
+        return spec.name, instance.reward()
+
+    def build(self, prompts, rows, rewards):
         """The transcripts -> a ToolRollout: the layout of rollout.build_rollout,
         whichever engine sampled, then tool_mask out of completion_mask."""
-        base = build_rollout(prompt_ids, G, ids, logps, finished, pad_id(self.tokenizer),
+        base = build_rollout(prompts, 1, [r["ids"] for r in rows], [r["logps"] for r in rows],
+                             [r["finished"] for r in rows], pad_id(self.tokenizer),
                              self.tokenizer)
 
         every = base.completion_mask.bool()  # (N, T) the transcript's tokens
-        flat = torch.tensor([t for row in tool for t in row], dtype=torch.float32)
+        flat = torch.tensor([t for r in rows for t in r["tool"]], dtype=torch.float32)
         tool_mask = torch.zeros(every.shape).masked_scatter_(every, flat)  # (N, T)
 
         fields = dict(vars(base), completion_mask=base.completion_mask - tool_mask)
-        return ToolRollout(**fields, tool_mask=tool_mask, tool_calls=calls)
-
-    def find_call(self, ids):
-        """-> (tokens kept, the code of the first closed ```python block or None,
-        the kept text). Kept: up to the token that closes the block, the shortest
-        prefix that holds it."""
-        text = self.decode(ids)
-        if FENCE.search(text) is None:
-            return len(ids), None, text
-
-        # bisect: once a prefix holds a closed block, every longer one does
-        lo = 1
-        hi = len(ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if FENCE.search(self.decode(ids[:mid])):
-                hi = mid
-            else:
-                lo = mid + 1
-
-        text = self.decode(ids[:lo])
-        return lo, FENCE.search(text)[1], text
-
-    def output_ids(self, output, lead=""):
-        """The tool's output as "```output\\n{output}\\n```\\n" tokens, at most
-        output_tokens: the end of the output kept (simplification 5)."""
-        head = self.encode(lead + "```output\n")
-        tail = self.encode("\n```\n")
-        body = self.encode(output.rstrip("\n"))
-
-        room = max(0, self.output_tokens - len(head) - len(tail))
-        return head + body[max(0, len(body) - room):] + tail
-
-    def run(self, pending):
-        """A round's calls [(row, code, text)], all at once -> [(output, status,
-        seconds)]."""
-        def timed(call):
-            start = time.perf_counter()
-            output, status = sandbox.run_code(call[1], self.timeout_s)
-            return output, status, time.perf_counter() - start
-
-        # threads only wait on the sandbox's subprocesses
-        with ThreadPoolExecutor(sandbox.WORKERS) as pool:
-            return list(pool.map(timed, pending))
-
-    def decode(self, ids):
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def encode(self, text):
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ToolRollout(**fields, tool_mask=tool_mask,
+                           tool_calls=[r["calls"] for r in rows],
+                           messages=[r["messages"] for r in rows],
+                           environment_rewards=rewards)
 
     def state_dict(self):
         return self.engine.state_dict()
@@ -227,17 +259,25 @@ class ToolEngine:
         self.engine.close()
 
 
-def with_tools(engine, tokenizer, tools, max_calls, output_tokens):
-    """train.py: the engine in a ToolEngine when tools is "python" (--tools), else
-    the engine itself (tools None)."""
-    if tools is None:
+def with_tools(engine, tokenizer, specs, fence, *, max_calls, output_tokens, timeout_s,
+               render):
+    """train.py: the engine in a ToolEngine when there are tools (specs: see
+    environment.load_specs; fence: --tools python's format), else the engine
+    itself (specs None)."""
+    if specs is None:
         return engine
-    return ToolEngine(engine, tokenizer, max_calls, output_tokens)
+
+    if fence:
+        call_format = FenceFormat(tokenizer, output_tokens)
+    else:
+        call_format = TemplateFormat(tokenizer, output_tokens)
+    return ToolEngine(engine, tokenizer, call_format, specs, max_calls=max_calls,
+                      timeout_s=timeout_s, render=render)
 
 
 def tool_metrics(rollout):
     """A step's tool metrics, {} for a plain Rollout: calls per completion, the
-    fraction of calls that failed, and the sandbox seconds summed over the calls
+    fraction of calls that failed, and the tools' seconds summed over the calls
     (they overlap: the wall time is less)."""
     if not isinstance(rollout, ToolRollout):
         return {}

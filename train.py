@@ -70,6 +70,7 @@ from tqdm import tqdm
 import checkpoint
 import config
 import data
+import environment
 import task
 from advantage import compute_advantages, dynamic_sampling
 from batch import UpdateBatch, high_entropy_mask, policy_entropies, unique_rows
@@ -83,9 +84,10 @@ from model import (completion_logits, entropy_from_logits, load_model, load_refe
                    load_tokenizer, pad_id, prompt_batch, sequence_logps, truncate_logits,
                    wrap_ddp)
 from reduction import kept_mask, minibatch_tokens, row_weights
-from reward import get_reward_funcs, pass_at_k, score
+from reward import environment_reward_func, final_number_reward, get_reward_funcs, pass_at_k, score
 from rollout import make_engine, pick_engine
 from server import RemoteEngine
+from tool_format import supports_tools
 from tools import tool_metrics, with_tools
 
 # -----------------------------------------------------------------------------
@@ -109,7 +111,10 @@ ckpt_root = os.path.join(args.out_dir, "checkpoints")
 device, dtype = setup(args.threads, args.dtype)
 try:
     reward_funcs = get_reward_funcs(args.rewards)
-    (eval_func,) = get_reward_funcs([args.eval_reward])
+    # None: an --environment's own reward (after its probe, below)
+    eval_func = None
+    if args.eval_reward:
+        (eval_func,) = get_reward_funcs([args.eval_reward])
     # one run per out-dir: locked until it ends (or dies)
     checkpoint.check_out_dir(args.out_dir)
     resume_from, saved = checkpoint.resume_point(args.out_dir, args.resume, run_config,
@@ -167,6 +172,43 @@ if tiny and not resume_from and master:
 barrier()
 try:
     tokenizer, context_len = load_tokenizer(model_path)
+    if args.chat_template:
+        with open(args.chat_template) as f:
+            tokenizer.chat_template = f.read()
+
+    # tools (tools.py): each environment's tools, probed in a process of its own
+    # (environment.py). --tools python is ToRL's fenced code: no schemas shown.
+    fence = args.tools == ["python"]
+    specs = None
+    tools_of = None
+    if fence:
+        specs = environment.load_specs(["environments.python_tool.PythonTool"], [])
+    elif config.uses_tools(args):
+        if not supports_tools(tokenizer):
+            raise ValueError(f"the chat template of {args.model} renders no tool calls: "
+                             f"pass --chat-template assets/chatml_tools.jinja (ChatML, "
+                             f"<tool_call> JSON), or use --tools python (ToRL's fenced "
+                             f"code, no template needed)")
+        specs = environment.load_specs(args.environment, args.tools or [])
+
+        def tools_of(row):
+            return list(environment.spec_of(specs, row).schemas.values())
+
+    # an environment that scores (get_reward) is a reward of weight 1, named
+    # after its class, as in TRL
+    if specs is not None:
+        scoring = dict.fromkeys(s.name for s in specs.values() if s.has_reward)
+        environment_rewards = [environment_reward_func(name) for name in scoring]
+        reward_funcs += environment_rewards
+        args.reward_weights = args.reward_weights + [1.0] * len(environment_rewards)
+        if eval_func is None and environment_rewards:
+            eval_func = environment_rewards[0]
+    if eval_func is None:
+        eval_func = final_number_reward
+    if not reward_funcs:
+        raise ValueError("no reward: pass --rewards, or an --environment whose class "
+                         "defines get_reward")
+
     train_rows, eval_rows = data.load_rows(
         args.dataset, digits=args.task_digits, eval_size=args.eval_size, seed=args.seed,
         config=args.dataset_config, split=args.split, eval_split=args.eval_split,
@@ -175,7 +217,7 @@ try:
                                      context_len)
     # the built-in task's prompts stay raw; a dataset's go through the chat template
     prepare = dict(system_prompt=args.system_prompt, max_len=prompt_limit,
-                   raw=builtin_task, log=print0)
+                   raw=builtin_task, log=print0, tools_of=tools_of)
     train_rows, train_ids, conversational = data.prepare_prompts(
         tokenizer, train_rows, what="train", min_rows=1, **prepare)
     eval_rows, eval_ids, _ = data.prepare_prompts(
@@ -224,9 +266,26 @@ else:
     except ImportError as e:
         fail(f"--engine {args.engine}: vLLM is not installed ({e}); pip install -r "
              f"requirements-cpu.txt, or use --engine hf")
-# --tools python: ToRL's tool loop (tools.py)
-engine = with_tools(engine, tokenizer, args.tools, args.max_tool_calls,
-                    args.tool_output_tokens)
+
+
+def render_observation(row, observation):
+    """The row's prompt ids with its environment's reset text (data.py)."""
+    question = data.with_observation(row["prompt"], observation)
+    system_prompt = args.system_prompt
+    if system_prompt is None:
+        system_prompt = data.DEFAULT_SYSTEM_PROMPT
+    tools = [tools_of(row)] if tools_of else None
+
+    texts, chat = data.render_prompts(tokenizer, [question], system_prompt, tools)
+    return data.encode_prompts(tokenizer, texts, chat)[0]
+
+
+# tools: the multi-turn loop (tools.py)
+engine = with_tools(engine, tokenizer, specs, fence, max_calls=args.max_tool_calls,
+                    output_tokens=args.tool_output_tokens, timeout_s=args.tool_timeout,
+                    render=render_observation)
+# the rows go to generate for the environments' resets
+tool_rows = specs is not None
 
 start_step = 0
 opt_step = 0
@@ -276,8 +335,11 @@ def sample(consumed):
                              world, args.seed)
     prompt_ids = [train_ids[i] for i in idx]
 
+    extra = {}
+    if tool_rows:
+        extra = dict(rows=[train_rows[i] for i in idx])
     rollout = engine.generate(prompt_ids, args.G, args.max_new_tokens,
-                              temperature=args.temperature, **sampling)
+                              temperature=args.temperature, **sampling, **extra)
 
     rows = [train_rows[i] for i in idx for _ in range(args.G)]
     return rows, rollout, getattr(engine, "weight_version", None), time.time() - t0
@@ -299,8 +361,11 @@ def evaluate():
 
     def rewards(temperature, g):
         """(prompts, g): the eval reward of g completions per prompt."""
+        extra = {}
+        if tool_rows:
+            extra = dict(rows=rows)
         rollout = engine.generate(ids, g, args.max_new_tokens, temperature=temperature,
-                                  **sampling)
+                                  **sampling, **extra)
         rows_g = [r for r in rows for _ in range(g)]
         rewards = score([eval_func], rows_g, rollout, conversational, args.reward_timeout)
         return rewards[:, 0].nan_to_num().view(-1, g)

@@ -10,6 +10,7 @@ answer "6*7=" with a ```python block that prints 6*7, the output block, then the
 answer, so greedy and sampled completions really call the tool. All of it runs
 sandbox programs: one worker with tests/test_sandbox.py, whose checks see every
 sandbox uid."""
+import functools
 import glob
 import json
 import os
@@ -29,6 +30,8 @@ from reduction import minibatch_tokens
 from reward import score
 from rollout import Engine, HFEngine, VLLMEngine
 from task import TEXT_CHARS, build_tiny_model, build_tokenizer
+from environment import load_specs
+from tool_format import FenceFormat
 from tools import ToolEngine, ToolRollout, tool_metrics
 
 pytestmark = pytest.mark.xdist_group("test_sandbox")
@@ -48,6 +51,21 @@ def answer_reward(completions, solution, tool_calls, **kw):
     ran = [sum(not call["error"] for call in calls) for calls in tool_calls]
 
     return [float(a == s) + 0.1 * k for a, s, k in zip(answers, solution, ran)]
+
+
+PYTHON_TOOL = "environments.python_tool.PythonTool"
+
+
+@functools.cache
+def python_specs():
+    # the probe starts a process that imports transformers: once
+    return load_specs([PYTHON_TOOL], [])
+
+
+def python_engine(inner, tokenizer, max_calls=4, output_tokens=256, timeout_s=10.0):
+    """--tools python's loop: ToRL's fences, the python tool."""
+    return ToolEngine(inner, tokenizer, FenceFormat(tokenizer, output_tokens),
+                      python_specs(), max_calls=max_calls, timeout_s=timeout_s)
 
 
 class ScriptedEngine(Engine):
@@ -104,7 +122,7 @@ def test_splice_layout(chars):
         "Q2:": ["No code here.$"],
     }
     inner = ScriptedEngine(chars, script)
-    engine = ToolEngine(inner, chars, max_calls=4, output_tokens=64)
+    engine = python_engine(inner, chars, max_calls=4, output_tokens=64)
     prompts = [encode(chars, "Q1:"), encode(chars, "Q2:")]
 
     r = engine.generate(prompts, 2, 200)
@@ -132,8 +150,8 @@ def test_splice_layout(chars):
         assert r.texts[i] == policy_a + output + policy_b and r.is_finished[i]
 
         (call,) = r.tool_calls[i]
-        fields = (call["code"], call["output"], call["status"], call["error"])
-        assert fields == ("print(6*7)\n", "42\n", "ok", False)
+        fields = (call["name"], call["arguments"], call["output"], call["error"])
+        assert fields == ("python", {"code": "print(6*7)\n"}, "42\n", False)
 
     # the rows that do not
     plain = encode(chars, "No code here.") + [eos]
@@ -176,7 +194,7 @@ def test_budgets_cut_outputs_and_continuations(chars):
     # b has room for 3 more tokens, a for more than "after$"
     budget = len(b) + len(out_b) + 3
     script = {"A:": [a, "after$"], "B:": [b, "after$"]}
-    engine = ToolEngine(ScriptedEngine(chars, script), chars)
+    engine = python_engine(ScriptedEngine(chars, script), chars)
 
     r = engine.generate([encode(chars, "A:"), encode(chars, "B:")], 2, budget)
 
@@ -186,7 +204,7 @@ def test_budgets_cut_outputs_and_continuations(chars):
     assert len(transcript(r, 2)) == budget
 
     c = "```python\nprint('x' * 100)\n```"
-    engine = ToolEngine(ScriptedEngine(chars, {"C:": [c, "never$"]}), chars)
+    engine = python_engine(ScriptedEngine(chars, {"C:": [c, "never$"]}), chars)
 
     r = engine.generate([encode(chars, "C:")], 2, len(c) + 8)
 
@@ -201,7 +219,7 @@ def test_max_calls_and_output_tokens(chars):
     output keeps its end."""
     blocks = [f"```python\nprint({k})\n```" for k in (1, 2, 3)]
     script = {"Q:": blocks[:2] + [blocks[2] + " done$"]}
-    engine = ToolEngine(ScriptedEngine(chars, script), chars, max_calls=2)
+    engine = python_engine(ScriptedEngine(chars, script), chars, max_calls=2)
 
     r = engine.generate([encode(chars, "Q:")], 2, 400)
 
@@ -212,7 +230,7 @@ def test_max_calls_and_output_tokens(chars):
 
     program = "```python\nfor i in range(100):\n    print(i)\n```"
     script = {"Q:": [program, "ok$"]}
-    engine = ToolEngine(ScriptedEngine(chars, script), chars, output_tokens=30)
+    engine = python_engine(ScriptedEngine(chars, script), chars, output_tokens=30)
 
     r = engine.generate([encode(chars, "Q:")], 2, 400)
 
@@ -243,14 +261,14 @@ def test_hostile_call_gets_an_error_output_and_generation_goes_on(name, chars, t
     program, expected = HOSTILE[name]
     program = program.format(tag=tmp_path.name)
     script = {"Q:": [f"```python\n{program}\n```", " went on$"]}
-    engine = ToolEngine(ScriptedEngine(chars, script), chars, output_tokens=64,
+    engine = python_engine(ScriptedEngine(chars, script), chars, output_tokens=64,
                         timeout_s=2.0)
 
     r = engine.generate([encode(chars, "Q:")], 2, 400)
 
     for i in (0, 1):
         (call,) = r.tool_calls[i]
-        assert call["error"] and call["status"] != "ok", call
+        assert call["error"], call
         assert expected in call["output"], call
         assert r.texts[i].endswith("```\n went on") and r.is_finished[i]
     assert r.tool_calls[0][0]["seconds"] < 2.0 + 3
@@ -288,9 +306,10 @@ def coder(tmp_path_factory, chars):
         ids[i, :len(p) + len(c)] = torch.tensor(p + c)
         labels[i, len(p):len(p) + len(c)] = torch.tensor(c)
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # lr 1e-2 spikes on its last steps (torch 2.13's CPU kernels): 3e-3, longer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     torch.manual_seed(0)
-    for _ in range(100):
+    for _ in range(200):
         model(input_ids=ids, labels=labels).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -337,7 +356,7 @@ def test_hf_and_vllm_give_the_same_layout(coder):
 
 
 def greedy(engine, tokenizer, prompts):
-    engine = ToolEngine(engine, tokenizer, output_tokens=32)
+    engine = python_engine(engine, tokenizer, output_tokens=32)
     return engine.generate(prompts, 2, 64, temperature=0.0)
 
 
@@ -415,7 +434,7 @@ def test_without_calls_it_is_the_plain_engine(tiny):
     _, model, tokenizer, prompts = tiny
 
     plain = HFEngine(model, tokenizer, seed=3).generate(prompts, 4, 8, temperature=1.0)
-    wrapped = ToolEngine(HFEngine(model, tokenizer, seed=3), tokenizer)
+    wrapped = python_engine(HFEngine(model, tokenizer, seed=3), tokenizer)
     wrapped = wrapped.generate(prompts, 4, 8, temperature=1.0)
 
     same_fields(plain, wrapped, "prompt_ids", "completion_ids", "completion_mask",
@@ -504,7 +523,7 @@ def test_modes_it_cannot_serve_are_refused_in_one_line(name, capsys):
         expected = "--tools python does not run with the built-in digit task"
     elif name == "flag_without_tools":
         argv = ["--max-tool-calls", "2"]
-        expected = "--max-tool-calls does nothing without --tools python"
+        expected = "--max-tool-calls does nothing without --tools or --environment"
     else:
         argv = ["--tools", "python", "--dataset", "x.jsonl", *REFUSED[name][0]]
         expected = REFUSED[name][1]
@@ -524,5 +543,7 @@ def test_the_recipe_with_tools():
     args = config.fill_defaults(train_parser().parse_args(argv))
 
     assert args.system_prompt == TOOLS_SYSTEM_PROMPT
-    assert args.rewards == ["accuracy_reward"]
+    # the final number written out: not math-verify's, which scores "123 * 509"
+    assert args.rewards == ["final_number_reward"]
+    assert args.eval_reward == "final_number_reward"
 
