@@ -87,7 +87,8 @@ class EnvironmentProcess:
             stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         theirs.close()
         self.connection = Connection(ours.detach())
-        self.connection.send(("build", path, list(tool_paths), seed))
+        # what the trainer can import, the child can
+        self.connection.send(("build", path, list(tool_paths), seed, sys.path))
 
     def ask(self, *request, timeout_s=None):
         """-> (ok, value or error text). A hang or an exit kills the process."""

@@ -5,7 +5,8 @@ One environment instance, or the function tools alone, in a process of its own
     python environment_child.py FD
 
 FD is this end of a socket pair. The first message names what to build:
-("build", environment path or None, [tool paths], seed). Then each message is
+("build", environment path or None, [tool paths], seed, the trainer's
+sys.path). Then each message is
 one request, answered by ("ok", value) or ("error", text):
 
     ("probe",)                  -> {"tools": {name: JSON schema}, "reward": bool,
@@ -20,10 +21,12 @@ one request, answered by ("ok", value) or ("error", text):
 A tool that raises, or exits (SystemExit), answers the policy with the error
 text; the process goes on. What the tool prints goes to the trainer's stderr.
 """
+import ctypes
 import importlib
 import inspect
 import os
 import random
+import signal
 import sys
 from multiprocessing.connection import Connection
 
@@ -102,11 +105,19 @@ def answer(instance, tools, request):
 
 
 def main():
+    # the trainer killed (kill -9): this process goes with it, even mid-tool
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:
+        # the trainer died before the line above
+        return
+
     connection = Connection(int(sys.argv[1]))
     # user code prints; keep it off the trainer's stdout (the metrics, the bar)
     os.dup2(2, 1)
 
-    _, environment_path, tool_paths, seed = connection.recv()
+    _, environment_path, tool_paths, seed, path = connection.recv()
+    sys.path[:] = path
     instance = None
     tools = {}
     try:

@@ -635,7 +635,7 @@ for step in bar:
                                                   aggregation=args.reward_aggregation)
     advantages = advantages[rank * N:(rank + 1) * N].to(device)  # (N,) this rank's slice
     for f, fn in enumerate(reward_funcs):  # "reward/0" -> "reward/exact_match_reward"
-        name = getattr(fn, "__name__", args.rewards[f])
+        name = getattr(fn, "__name__", None) or args.rewards[f]
         reward_stats[f"reward/{name}"] = reward_stats.pop(f"reward/{f}")
     times["reward"] += time.time() - t0
 
