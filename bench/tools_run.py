@@ -13,7 +13,8 @@ seed: only --tools differs.
     python -m bench tools_run --tiny  # 1 step each, 4 held out: checks the script
 
 Reported, at the start and the end, each model in its own mode:
-- held-out greedy accuracy (final_number_reward);
+- held-out greedy accuracy (reward.final_number_reward: the number written
+  after the last output block);
 - the share of held-out completions that call the tool (with tools: a ```python
   block ran; without: one was written and closed).
 And over the first and last third of the steps, the training reward and
@@ -28,7 +29,6 @@ Simplifications:
 """
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -54,23 +54,13 @@ FLAGS = [
     "--lora-rank", "16", "--lr", "2e-4", "--warmup-steps", "2", "--beta", "0",
     "--G", "8", "--prompts-per-step", "2", "--max-new-tokens", str(MAX_NEW),
     "--temperature", "0.7",
-    "--rewards", "bench.tools_run.final_number_reward",
-    "--eval-reward", "bench.tools_run.final_number_reward",
+    "--rewards", "final_number_reward",
+    "--eval-reward", "final_number_reward",
     "--engine", "hf", "--eval-every", "0", "--eval-size", "4", "--max-prompt-len", "512",
 ]
 TOOL_FLAGS = ["--tools", "python", "--max-tool-calls", "2", "--tool-output-tokens", "64"]
 TINY = dict(steps=1, num_train=8, num_eval=4,
             flags=["--G", "2", "--max-new-tokens", "24"])
-
-
-def final_number_reward(completions, solution, **kw):
-    """1.0 when the completion's last number (commas dropped) is the answer, else
-    0.0. Not accuracy_reward: math-verify scores an unevaluated "123 * 509" as
-    its value."""
-    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
-    numbers = [re.findall(r"\d+", t.replace(",", "")) for t in texts]
-
-    return [float(bool(found) and found[-1] == s) for found, s in zip(numbers, solution)]
 
 
 def problems(real_model, n):
@@ -106,14 +96,20 @@ def train(out, model, dataset, num_eval, steps, flags):
 def held_out(model_path, tokenizer, ids, rows, tools, max_new):
     """Greedy completions of the held-out prompts -> (accuracy, the share of
     completions that call)."""
+    from environment import load_specs
     from model import load_model
+    from reward import final_number_reward
     from rollout import HFEngine
-    from tools import FENCE, ToolEngine
+    from tool_format import FENCE
+    from tools import with_tools
 
     model = load_model(model_path, torch.float32, torch.device("cpu"), False, None)
     engine = HFEngine(model, tokenizer)
     if tools:
-        engine = ToolEngine(engine, tokenizer, max_calls=2, output_tokens=64)
+        # --tools python's loop, as train.py builds it
+        specs = load_specs(["environments.python_tool.PythonTool"], [])
+        engine = with_tools(engine, tokenizer, specs, True, max_calls=2, output_tokens=64,
+                            timeout_s=10.0, render=None)
 
     rollout = engine.generate(ids, 1, max_new, temperature=0.0)
 
