@@ -14,6 +14,7 @@ measured in the same run. From the repo root:
     python -m bench trl --seeds 0 1 2  # TRL's GRPOTrainer vs train.py (needs trl)
     python -m bench real --max-minutes 15  # SmolLM2-135M-Instruct learns word problems
     python -m bench tools_run          # --tools python vs no tools: 4-5 digit products
+    python -m bench game_run           # guess the number, with vs without the environment
 
 rollout runs on CPU or GPU, memory and real on CPU, kernel on a GPU. gpu needs one
 GPU; with --tiny it takes about 1 min of CPU. trl runs train.py with both engines

@@ -21,6 +21,7 @@ MODES = {
     "trl": ("runs", "bench_trl"),
     "real": ("real", "bench_real"),
     "tools_run": ("tools_run", "bench_tools_run"),
+    "game_run": ("game_run", "bench_game_run"),
     # one setting of `memory`, in the subprocess it starts
     "_memory_step": ("memory", "memory_step"),
 }
