@@ -149,7 +149,9 @@ class ToolEngine:
                 row = rows[i]
                 # each row to its own budget
                 segment = segment[:max_new_tokens - len(row["ids"])]
-                keep, calls, text = len(segment), [], None
+                keep = len(segment)
+                calls = []
+                text = None
                 if row["rounds"] < self.max_calls:
                     keep, calls, text = self.format.find_calls(segment)
 
@@ -202,7 +204,9 @@ class ToolEngine:
             for call in calls:
                 start = time.perf_counter()
                 if call["error"] is not None:
-                    output, error = call["error"], True
+                    # unreadable: its error is the result
+                    output = call["error"]
+                    error = True
                 else:
                     output, error = instances[i].call(call["name"], call["arguments"])
                 results.append((output, error, time.perf_counter() - start))
