@@ -459,3 +459,38 @@ def test_kill_and_resume_with_an_environment_is_bit_identical(caller, tmp_path):
     b = load_file(crashed / "model" / "model.safetensors")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     assert without_timings(straight)[-1]["step"] == 6
+
+
+def test_a_template_without_tool_calls_is_refused_in_one_line(caller, tmp_path):
+    from task import CHAT_TEMPLATE
+
+    plain = tmp_path / "plain.jinja"
+    plain.write_text(CHAT_TEMPLATE)
+    args = environment_args(caller, tmp_path) + ["--chat-template", str(plain)]
+
+    code, out, _ = run_train(args, tmp_path / "out", check=False)
+
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1, out[-2000:]
+    assert "renders no tool calls" in errors[0] and "--chat-template" in errors[0]
+
+
+def test_an_environment_that_does_not_score_needs_rewards(caller, tmp_path):
+    args = environment_args(caller, tmp_path) + ["--environment", "trl_style_env.NoteEnv"]
+
+    code, out, _ = run_train(args, tmp_path / "out", check=False)
+
+    assert code == 2 and "error: no reward: pass --rewards" in out, out[-2000:]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--vllm-mode", "server", "--vllm-url", "http://127.0.0.1:1"], "--vllm-mode server"),
+    (["--tools", "python"], "--tools python (ToRL's fenced code) runs alone"),
+    (["--chat-template", "no/such.jinja"], "--chat-template no/such.jinja: no such file"),
+])
+def test_environment_flags_refused_in_one_line(argv, expected, capsys):
+    from helpers import refused
+
+    out = refused(["--dataset", "x.jsonl", "--environment", COUNTER, *argv], capsys)
+
+    assert expected in out, out

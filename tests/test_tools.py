@@ -250,6 +250,9 @@ HOSTILE = {
                       "Read-only file system"),
     "network": ("import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)",
                 "sandbox: no network"),
+    # the policy must see that it failed: not "ok" with empty output
+    "exit_status": ("import sys\nprint('bye')\nsys.exit(3)",
+                    "bye\nSystemExit: the program exited with status 3"),
 }
 
 
