@@ -26,12 +26,16 @@ Simplifications:
    completions. No paging.
 6. VLLMEngine.close() tears down vLLM's global state and the default process
    group: close it last.
-7. On CPU, VLLMEngine sizes the KV cache to the need, and runs eagerly what
-   vLLM's sampler compiles.
+7. On CPU, VLLMEngine sizes the KV cache to the work: max_rows sequences of
+   max_model_len tokens (the rows of its largest generate call, train.py says
+   how many), a quarter more for the prefix cache, capped at
+   gpu_memory_utilization of RAM. vLLM allocates and zeroes all of it at
+   start-up. It runs eagerly what vLLM's sampler compiles.
 """
 import gc
 import itertools
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -176,12 +180,18 @@ class Engine:
         pass
 
 
+# vLLM's default batch of sequences
+VLLM_MAX_NUM_SEQS = 256
+# the prefix cache keeps finished rows' blocks for the continuations that
+# reread them (tools.py): room beyond the rows of one call
+KV_MARGIN = 1.25
+
+
 def cpu_kv_cache_bytes(config, max_model_len, dtype, ram_fraction, max_num_seqs=256,
                        block=128):
-    """The KV cache of vLLM's default CPU batch, capped at ram_fraction of RAM.
-
-    vLLM zeroes all of it at start-up (simplification 7).
-    """
+    """The KV cache of max_num_seqs sequences of max_model_len tokens (KV_MARGIN
+    more), capped at ram_fraction of RAM (simplification 7). vLLM's default CPU
+    batch is 256 sequences."""
     text = config.get_text_config()
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None)
@@ -189,7 +199,7 @@ def cpu_kv_cache_bytes(config, max_model_len, dtype, ram_fraction, max_num_seqs=
     itemsize = getattr(torch, str(dtype).removeprefix("torch.")).itemsize
 
     length = max_model_len or text.max_position_embeddings
-    tokens = max_num_seqs * -(-length // block) * block
+    tokens = math.ceil(KV_MARGIN * max_num_seqs) * -(-length // block) * block
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     need = tokens * 2 * text.num_hidden_layers * heads * head_dim * itemsize  # K and V
     return int(min(need, ram_fraction * ram))
@@ -198,10 +208,12 @@ def cpu_kv_cache_bytes(config, max_model_len, dtype, ram_fraction, max_num_seqs=
 class VLLMEngine(Engine):
     def __init__(self, model_path, *, seed=0, dtype=None, max_model_len=None,
                  gpu_memory_utilization=0.3, tensor_parallel_size=1, distributed=None,
-                 **llm_kwargs):
+                 max_rows=None, **llm_kwargs):
         """model_path: a save_pretrained folder or hub id.
 
         gpu_memory_utilization: the fraction of GPU memory, or of RAM on CPU.
+        max_rows: the most sequences one generate call samples (None: vLLM's
+        default batch), which sizes the KV cache on CPU.
         """
         # the engine core in-process
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -214,10 +226,16 @@ class VLLMEngine(Engine):
             dtype = config.dtype or torch.float32
 
         # start-up on CPU: simplification 7
+        self.kv_cache_bytes = None
+        # vLLM schedules at most its max_num_seqs (256 by default) at once
+        self.kv_rows = min(max_rows or VLLM_MAX_NUM_SEQS,
+                           llm_kwargs.get("max_num_seqs", VLLM_MAX_NUM_SEQS))
         if not torch.cuda.is_available():
             kv_bytes = cpu_kv_cache_bytes(config, max_model_len, dtype,
-                                          gpu_memory_utilization)
+                                          gpu_memory_utilization,
+                                          max_num_seqs=self.kv_rows)
             llm_kwargs.setdefault("kv_cache_memory_bytes", kv_bytes)
+            self.kv_cache_bytes = llm_kwargs["kv_cache_memory_bytes"]
 
             from vllm.v1.sample import sampler
             f = sampler.batched_count_greater_than

@@ -245,6 +245,12 @@ optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_deca
                               fused=not args.fsdp)
 mark("models")
 
+def max_engine_rows():
+    """The most rows one generate call of this rank's engine samples."""
+    per_rank = -(-len(eval_rows) // world) * (args.eval_samples or 1)
+    return max(n_local, per_rank) * args.vllm_tp
+
+
 engine_kind, engine_why = pick_engine(args.engine, raw_model, args.vllm_tp)
 if args.vllm_mode == "server":
     engine = RemoteEngine(args.vllm_url, tokenizer, seed=args.seed + rank)
@@ -262,6 +268,9 @@ else:
             gpu_memory_utilization=args.vllm_memory,
             max_model_len=prompt_limit + args.max_new_tokens,
             tensor_parallel_size=args.vllm_tp,
+            # the largest call: a step's completions, or the sampled evaluation's
+            # (a tensor-parallel group samples its ranks' rows together)
+            max_rows=max_engine_rows(),
         )
     except ImportError as e:
         fail(f"--engine {args.engine}: vLLM is not installed ({e}); pip install -r "
@@ -316,6 +325,13 @@ print0(f"engine {type(engine).__name__} ({engine_why}), {world} rank(s) x "
        f"{torch.get_num_threads()} thread(s), device {device}, "
        f"loss {loss_impl} ({loss_why}), {n_params:.2f}M params "
        f"({n_trained:.3g}M trained), {len(train_rows)} train prompts")
+# vLLM on CPU: the KV cache sized to the work (rollout.py, simplification 7)
+inner = getattr(engine, "engine", engine)
+kv_bytes = getattr(inner, "kv_cache_bytes", None)
+if kv_bytes:
+    print0(f"vLLM KV cache {kv_bytes / 2**30:.2f} GiB of RAM: {inner.kv_rows} rows x "
+           f"{prompt_limit + args.max_new_tokens} tokens, +25% for the prefix cache, "
+           f"at most --vllm-memory {args.vllm_memory:g} of RAM")
 if args.repetition_penalty != 1:
     print0("--repetition-penalty: the sampler's log-probs are penalized, the trainer's are "
            "not (model.py): the IS ratio counts the penalty as off-policy")

@@ -7,13 +7,15 @@ sampling logprobs equal the trainer's own recomputed logprobs of the same tokens
 costs seconds). The 2-rank test is test_rollout_2ranks.py.
 """
 import copy
+import os
 
 import pytest
 import torch
 
 from helpers import PROMPTS
 from model import pad_id, selective_log_softmax, sequence_batch
-from rollout import HFEngine, VLLMEngine, make_engine, pick_engine, process_logits
+from rollout import (HFEngine, VLLMEngine, cpu_kv_cache_bytes, make_engine, pick_engine,
+                     process_logits)
 
 # one worker builds the vLLM engine once (--dist loadgroup)
 pytestmark = pytest.mark.xdist_group("test_rollout")
@@ -445,3 +447,24 @@ def test_make_engine(tiny, vllm_engine):
         make_engine("sglang", model=model, tokenizer=tokenizer, model_path=path)
     with pytest.raises(ValueError, match="token ids"):
         HFEngine(model, tokenizer).generate(["739>"], 2, 4)
+
+
+def test_the_cpu_kv_cache_is_sized_to_the_work():
+    """SmolLM2-135M's shape (30 layers, 3 KV heads of 64, 8,192 positions): vLLM's
+    default 256 sequences at the full context would take 23 GiB of fp32 KV
+    cache. A step of 16 rows of 576 tokens takes 20 rows (+25%) of 640 (whole
+    blocks of 128)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         hidden_size=576, max_position_embeddings=8192)
+    per_token = 2 * 30 * 3 * 64 * 4  # K and V, fp32
+
+    work = cpu_kv_cache_bytes(config, 576, torch.float32, 1.0, max_num_seqs=16)
+    default = cpu_kv_cache_bytes(config, None, torch.float32, 1e6)
+    capped = cpu_kv_cache_bytes(config, None, torch.float32, 0.01)
+
+    assert work == 20 * 640 * per_token  # 0.12 GiB
+    assert default == 320 * 8192 * per_token
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert capped == int(0.01 * ram)
