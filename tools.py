@@ -26,7 +26,8 @@ Simplifications:
    (FenceFormat: after the closing fence), and what it sampled later is thrown
    away. Sampling is autoregressive, so the kept prefix is exactly what a stop
    there would have produced.
-2. A round's calls run together, each instance in its own process. Then the rows
+2. A round's calls run together, each instance in its own process (MAX_LIVE at
+   most: a larger call samples in chunks of whole groups). Then the rows
    with budget left go on as new prompts (prompt + transcript, one completion
    each), in one inner generate call per round. A slow call delays its round, at
    most --tool-timeout.
@@ -51,6 +52,10 @@ import environment
 from model import pad_id
 from rollout import Rollout, build_rollout, call_seed
 from tool_format import FenceFormat, TemplateFormat
+
+# environment processes alive at once (~10-20 MB each): a larger call goes in
+# chunks
+MAX_LIVE = 64
 
 
 @dataclass
@@ -97,14 +102,33 @@ class ToolEngine:
     def generate(self, prompt_ids, G, max_new_tokens, temperature=1.0, rows=None,
                  **sampling):
         """G completions per prompt (rows: the prompts' dataset rows, for reset),
-        each with its calls run (simplifications 1-5) -> ToolRollout."""
+        each with its calls run (simplifications 1-5) -> ToolRollout. At most
+        MAX_LIVE instances live at once: the prompts go in chunks of whole
+        groups."""
         if rows is None:
             rows = [{} for _ in prompt_ids]
+        per_chunk = max(1, MAX_LIVE // G)  # prompts
+
+        prompts = []
+        transcripts = []
+        rewards = []
+        for start in range(0, len(prompt_ids), per_chunk):
+            chunk = slice(start, start + per_chunk)
+            played = self.play(prompt_ids[chunk], rows[chunk], G, max_new_tokens,
+                               temperature, sampling)
+            prompts += played[0]
+            transcripts += played[1]
+            rewards += played[2]
+
+        return self.build(prompts, transcripts, rewards)
+
+    def play(self, prompt_ids, rows, G, max_new_tokens, temperature, sampling):
+        """One chunk: an instance per completion, reset, the rounds, the rewards
+        -> (prompts, transcripts, rewards), a list each of N."""
         rows = [row for row in rows for _ in range(G)]  # (N,)
         N = len(rows)
 
-        # one instance per completion; seeded by the engine's position, which a
-        # resume restores
+        # seeded by the engine's position, which a resume restores
         seed = call_seed(self.engine.seed, self.engine.calls) * 1000
         instances, observations = environment.start(self.specs, rows, seed,
                                                     self.timeout_s)
@@ -129,7 +153,7 @@ class ToolEngine:
             for instance in instances:
                 instance.close()
 
-        return self.build(prompts, transcripts, rewards)
+        return prompts, transcripts, rewards
 
     def converse(self, rollout, prompts, instances, max_new_tokens, temperature,
                  sampling):

@@ -494,3 +494,26 @@ def test_environment_flags_refused_in_one_line(argv, expected, capsys):
     out = refused(["--dataset", "x.jsonl", "--environment", COUNTER, *argv], capsys)
 
     assert expected in out, out
+
+
+def test_a_large_call_plays_in_chunks_with_the_same_layout(chat, monkeypatch):
+    """At most tools.MAX_LIVE environment processes live at once: a larger call
+    plays whole groups in chunks, and gives what one chunk would."""
+    import tools
+
+    specs = load_specs([COUNTER], [])
+    script = [call_text("increment", step=2), "done$"]
+    rows = [dict(solution=str(k)) for k in (2, 3, 2)]
+    prompts = [encode(chat, q) for q in ("A", "B", "C")]
+
+    whole = template_engine(ScriptedChat(chat, script), chat, specs).generate(
+        prompts, 2, 200, rows=rows)
+    monkeypatch.setattr(tools, "MAX_LIVE", 2)
+    chunked = template_engine(ScriptedChat(chat, script), chat, specs).generate(
+        prompts, 2, 200, rows=rows)
+
+    for field in ("completion_ids", "completion_mask", "tool_mask", "is_finished"):
+        assert torch.equal(getattr(whole, field), getattr(chunked, field)), field
+    assert chunked.prompt_ids == [p for p in prompts for _ in range(2)]
+    rewards = [value for _, value in chunked.environment_rewards]
+    assert rewards == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
