@@ -51,6 +51,7 @@ import dataclasses
 import json
 import math
 import os
+import resource
 import time
 
 t_launch = time.time()  # the start-up phases are timed from here: see the "start-up" line
@@ -735,6 +736,9 @@ for step in bar:
         record["staleness"] = step - 1 - sampler_version
     if device.type == "cuda":
         record["mem_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    # this process's peak resident memory: the trainer and an in-process engine
+    # (Linux: kilobytes)
+    record["rss_peak_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     record.update({f"time_{k}": v for k, v in times.items()})
     record["tokens_per_s"] = lengths.sum().item() * world / times["rollout"]
     record["elapsed"] = time.time() - t_start

@@ -17,7 +17,9 @@ package) learns synthetic word problems (real_model.make_word_problems).
    rate (2048^3 torch.mm, fp32 and bf16), at 1 and 2 threads, in this process.
 2. speed: train.py for 2 steps with the learning run's settings: the HF engine
    at fp32 / bf16 x 1 / 2 threads, vLLM at fp32 x 1. The last step's figures;
-   bf16 is left out where bf16 torch.mm is slow (no bf16 units).
+   bf16 is left out where bf16 torch.mm is slow (no bf16 units). The peak
+   resident memory train.py logs (rss_peak_gb: the trainer and the in-process
+   vLLM engine).
    The rollout against the bandwidth floor (the weights read once per decode
    step: weight bytes x decode steps / bandwidth) and the compute floor (2 FLOPs
    per weight per token / matmul rate; the tied head only where a logit is
@@ -299,7 +301,9 @@ def speed_table(args, model, dataset, work, floor, params, head, prompt_len, fla
                                       flags, 1, False)
 
         s = floors(records[-1], dtype, floor[threads], params, head, prompt_len, flags)
-        speed[engine, dtype, threads] = dict(s, others=others)
+        # train.py's own peak RSS: the trainer and the in-process engine
+        rss = max(r.get("rss_peak_gb", 0.0) for r in records)
+        speed[engine, dtype, threads] = dict(s, others=others, rss_peak_gb=rss)
         # its floor is the larger one: 32 rows a decode step make it
         # compute-bound here
         rollout_floor = max(s["rollout_vs_bandwidth"], s["rollout_vs_compute"])
@@ -307,8 +311,8 @@ def speed_table(args, model, dataset, work, floor, params, head, prompt_len, fla
               f"{s['rollout_s']:.1f} s ({s['rollout_tok_s']:.0f} tok/s, "
               f"{rollout_floor:.2f} of its floor), "
               f"update {s['update_s']:.1f} s "
-              f"({s['update_vs_compute']:.2f} of the compute floor), other load "
-              f"{others or 0:.2f} cores", flush=True)
+              f"({s['update_vs_compute']:.2f} of the compute floor), peak RSS "
+              f"{rss:.2f} GB, other load {others or 0:.2f} cores", flush=True)
     return speed
 
 
@@ -423,8 +427,8 @@ def report(records, wall, others, steps, key, speed, floor, params, prompt_len, 
         "",
         "| engine | dtype | threads | step s | rollout s | rollout tok/s "
         "| x bandwidth floor | x compute floor | update s | update tok/s "
-        "| x compute floor | other load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| x compute floor | peak RSS GB | other load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     for (engine, dtype, threads), s in speed.items():
@@ -435,6 +439,6 @@ def report(records, wall, others, steps, key, speed, floor, params, prompt_len, 
 
             f"| {s['rollout_vs_compute']:.2f} | {s['update_s']:.1f} "
             f"| {s['update_tok_s']:.0f} | {s['update_vs_compute']:.2f} "
-            f"| {s['others'] or 0:.2f} |")
+            f"| {s['rss_peak_gb']:.2f} | {s['others'] or 0:.2f} |")
 
     return "\n".join(lines) + "\n"

@@ -127,8 +127,9 @@ def read_metrics(out_dir):
 
 
 def without_timings(records):
-    """Metrics minus the wall-clock fields, which differ from run to run."""
-    timings = ("tokens_per_s", "elapsed")
+    """Metrics minus the wall-clock fields and the peak memory, which differ from
+    run to run."""
+    timings = ("tokens_per_s", "elapsed", "rss_peak_gb")
     return [{k: v for k, v in r.items() if not k.startswith("time_") and k not in timings}
             for r in records]
 
