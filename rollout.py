@@ -27,8 +27,8 @@ Simplifications:
 6. VLLMEngine.close() tears down vLLM's global state and the default process
    group: close it last.
 7. On CPU, VLLMEngine sizes the KV cache to the work: max_rows sequences of
-   max_model_len tokens (the rows of its largest generate call, train.py says
-   how many), a quarter more for the prefix cache, capped at
+   row_tokens (the rows of its largest generate call, the longest prompt plus
+   the new tokens: train.py says), a quarter more for the prefix cache, capped at
    gpu_memory_utilization of RAM. vLLM allocates and zeroes all of it at
    start-up. It runs eagerly what vLLM's sampler compiles.
 """
@@ -188,10 +188,11 @@ KV_MARGIN = 1.25
 
 
 def cpu_kv_cache_bytes(config, max_model_len, dtype, ram_fraction, max_num_seqs=256,
-                       block=128):
-    """The KV cache of max_num_seqs sequences of max_model_len tokens (KV_MARGIN
-    more), capped at ram_fraction of RAM (simplification 7). vLLM's default CPU
-    batch is 256 sequences."""
+                       block=128, row_tokens=None):
+    """The KV cache of max_num_seqs sequences of row_tokens (default
+    max_model_len) each, KV_MARGIN more, and at least one of max_model_len;
+    capped at ram_fraction of RAM (simplification 7). vLLM's default CPU batch
+    is 256 sequences."""
     text = config.get_text_config()
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None)
@@ -199,7 +200,10 @@ def cpu_kv_cache_bytes(config, max_model_len, dtype, ram_fraction, max_num_seqs=
     itemsize = getattr(torch, str(dtype).removeprefix("torch.")).itemsize
 
     length = max_model_len or text.max_position_embeddings
-    tokens = math.ceil(KV_MARGIN * max_num_seqs) * -(-length // block) * block
+    row = min(row_tokens or length, length)
+    # whole blocks: a sequence holds its own
+    tokens = math.ceil(KV_MARGIN * max_num_seqs) * -(-row // block) * block
+    tokens = max(tokens, -(-length // block) * block)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     need = tokens * 2 * text.num_hidden_layers * heads * head_dim * itemsize  # K and V
     return int(min(need, ram_fraction * ram))
@@ -208,12 +212,13 @@ def cpu_kv_cache_bytes(config, max_model_len, dtype, ram_fraction, max_num_seqs=
 class VLLMEngine(Engine):
     def __init__(self, model_path, *, seed=0, dtype=None, max_model_len=None,
                  gpu_memory_utilization=0.3, tensor_parallel_size=1, distributed=None,
-                 max_rows=None, **llm_kwargs):
+                 max_rows=None, row_tokens=None, **llm_kwargs):
         """model_path: a save_pretrained folder or hub id.
 
         gpu_memory_utilization: the fraction of GPU memory, or of RAM on CPU.
-        max_rows: the most sequences one generate call samples (None: vLLM's
-        default batch), which sizes the KV cache on CPU.
+        max_rows, row_tokens: the most sequences one generate call samples
+        (None: vLLM's default batch), and the longest prompt plus new tokens
+        (None: max_model_len), which size the KV cache on CPU.
         """
         # the engine core in-process
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -233,7 +238,8 @@ class VLLMEngine(Engine):
         if not torch.cuda.is_available():
             kv_bytes = cpu_kv_cache_bytes(config, max_model_len, dtype,
                                           gpu_memory_utilization,
-                                          max_num_seqs=self.kv_rows)
+                                          max_num_seqs=self.kv_rows,
+                                          row_tokens=row_tokens)
             llm_kwargs.setdefault("kv_cache_memory_bytes", kv_bytes)
             self.kv_cache_bytes = llm_kwargs["kv_cache_memory_bytes"]
 

@@ -272,6 +272,7 @@ else:
             # the largest call: a step's completions, or the sampled evaluation's
             # (a tensor-parallel group samples its ranks' rows together)
             max_rows=max_engine_rows(),
+            row_tokens=max(map(len, train_ids + eval_ids)) + args.max_new_tokens,
         )
     except ImportError as e:
         fail(f"--engine {args.engine}: vLLM is not installed ({e}); pip install -r "
@@ -330,9 +331,10 @@ print0(f"engine {type(engine).__name__} ({engine_why}), {world} rank(s) x "
 inner = getattr(engine, "engine", engine)
 kv_bytes = getattr(inner, "kv_cache_bytes", None)
 if kv_bytes:
+    row_tokens = max(map(len, train_ids + eval_ids)) + args.max_new_tokens
     print0(f"vLLM KV cache {kv_bytes / 2**30:.2f} GiB of RAM: {inner.kv_rows} rows x "
-           f"{prompt_limit + args.max_new_tokens} tokens, +25% for the prefix cache, "
-           f"at most --vllm-memory {args.vllm_memory:g} of RAM")
+           f"{row_tokens} tokens (the longest prompt + --max-new-tokens), +25% for the "
+           f"prefix cache, at most --vllm-memory {args.vllm_memory:g} of RAM")
 if args.repetition_penalty != 1:
     print0("--repetition-penalty: the sampler's log-probs are penalized, the trainer's are "
            "not (model.py): the IS ratio counts the penalty as off-policy")

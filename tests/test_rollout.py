@@ -461,10 +461,17 @@ def test_the_cpu_kv_cache_is_sized_to_the_work():
     per_token = 2 * 30 * 3 * 64 * 4  # K and V, fp32
 
     work = cpu_kv_cache_bytes(config, 576, torch.float32, 1.0, max_num_seqs=16)
+    # prompts of at most 120 tokens + 64 new: 2 blocks a row, 20 rows
+    short = cpu_kv_cache_bytes(config, 576, torch.float32, 1.0, max_num_seqs=16,
+                               row_tokens=184)
+    # one row still fits a whole max_model_len sequence
+    one = cpu_kv_cache_bytes(config, 576, torch.float32, 1.0, max_num_seqs=1,
+                             row_tokens=10)
     default = cpu_kv_cache_bytes(config, None, torch.float32, 1e6)
     capped = cpu_kv_cache_bytes(config, None, torch.float32, 0.01)
 
     assert work == 20 * 640 * per_token  # 0.12 GiB
+    assert short == 20 * 256 * per_token and one == 640 * per_token
     assert default == 320 * 8192 * per_token
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert capped == int(0.01 * ram)
