@@ -517,3 +517,23 @@ def test_a_large_call_plays_in_chunks_with_the_same_layout(chat, monkeypatch):
     assert chunked.prompt_ids == [p for p in prompts for _ in range(2)]
     rewards = [value for _, value in chunked.environment_rewards]
     assert rewards == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
+
+
+def test_train_with_function_tools(caller, tmp_path):
+    """--tools module.fn: the calculator, no environment; the recipe's reward is
+    final_number_reward."""
+    data_file = tmp_path / "sums.jsonl"
+    data_file.write_text(json.dumps(dict(prompt="What is 12*34?", solution="408")) + "\n")
+    args = environment_args(caller, tmp_path)
+    i = args.index("--environment")
+    args[i:i + 2] = ["--tools", CALCULATOR]
+    args[args.index("--dataset") + 1] = str(data_file)
+    args[args.index("--eval-split") + 1] = "train[:1]"
+    args[args.index("--eval-size") + 1] = "1"
+    args += ["--steps", "1", "--prompts-per-step", "1"]
+
+    _, out, records = run_train(args, tmp_path / "out")
+
+    assert records[-1]["tool_calls_mean"] > 0, out[-2000:]
+    assert "reward/final_number_reward" in records[-1]
+    assert records[-1]["eval_greedy"] == 1.0
