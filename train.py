@@ -246,6 +246,7 @@ optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_deca
                               fused=not args.fsdp)
 mark("models")
 
+
 def max_engine_rows():
     """The most rows one generate call of this rank's engine samples."""
     per_rank = -(-len(eval_rows) // world) * (args.eval_samples or 1)
