@@ -209,15 +209,11 @@ def environment_reward_func(name):
     (TRL's column): the rollout's environment_rewards, None for the rows of
     another class."""
     def reward(completions, environment_rewards, **kw):
-        return [value if owner == name else None
-                for owner, value in map(_owner_value, environment_rewards)]
+        return [pair[1] if pair is not None and pair[0] == name else None
+                for pair in environment_rewards]
 
     reward.__name__ = name
     return reward
-
-
-def _owner_value(pair):
-    return pair if pair is not None else (None, None)
 
 
 def get_soft_overlong_punishment(max_completion_len, soft_punish_cache):

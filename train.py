@@ -253,6 +253,10 @@ def max_engine_rows():
     return max(n_local, per_rank) * args.vllm_tp
 
 
+# the longest row an engine call holds: prompt and new tokens
+row_tokens = max(map(len, train_ids + eval_ids)) + args.max_new_tokens
+
+
 engine_kind, engine_why = pick_engine(args.engine, raw_model, args.vllm_tp)
 if args.vllm_mode == "server":
     engine = RemoteEngine(args.vllm_url, tokenizer, seed=args.seed + rank)
@@ -273,7 +277,7 @@ else:
             # the largest call: a step's completions, or the sampled evaluation's
             # (a tensor-parallel group samples its ranks' rows together)
             max_rows=max_engine_rows(),
-            row_tokens=max(map(len, train_ids + eval_ids)) + args.max_new_tokens,
+            row_tokens=row_tokens,
         )
     except ImportError as e:
         fail(f"--engine {args.engine}: vLLM is not installed ({e}); pip install -r "
@@ -332,7 +336,6 @@ print0(f"engine {type(engine).__name__} ({engine_why}), {world} rank(s) x "
 inner = getattr(engine, "engine", engine)
 kv_bytes = getattr(inner, "kv_cache_bytes", None)
 if kv_bytes:
-    row_tokens = max(map(len, train_ids + eval_ids)) + args.max_new_tokens
     print0(f"vLLM KV cache {kv_bytes / 2**30:.2f} GiB of RAM: {inner.kv_rows} rows x "
            f"{row_tokens} tokens (the longest prompt + --max-new-tokens), +25% for the "
            f"prefix cache, at most --vllm-memory {args.vllm_memory:g} of RAM")

@@ -27,7 +27,7 @@ import tempfile
 import torch
 
 from bench.real import load_real_model_module, tree
-from bench.shared import ROOT
+from bench.shared import ROOT, bench_command
 from bench.tools_run import thirds, train
 
 GUESS = "environments.guess_number.GuessNumber"
@@ -139,11 +139,7 @@ def bench_game_run(args):
 
 def report(results, steps, num_eval, args):
     """The markdown section for docs/benchmarks.md."""
-    command = "python -m bench game_run"
-    if args.steps:
-        command += f" --steps {args.steps}"
-    if args.tiny:
-        command += " --tiny"
+    command = bench_command("game_run", args)
 
     lines = [
         f"Command: `{command}`. Tree `{tree()}`. Guess the number 1-16, {num_eval} held-out "

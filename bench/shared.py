@@ -71,6 +71,16 @@ def build_model(shape, tokenizer, device, dtype, vocab_size=None):
         return Qwen2ForCausalLM(config).to(dtype=dtype)
 
 
+def bench_command(mode, args):
+    """The command line a report names: python -m bench MODE [--steps N] [--tiny]."""
+    command = f"python -m bench {mode}"
+    if args.steps:
+        command += f" --steps {args.steps}"
+    if args.tiny:
+        command += " --tiny"
+    return command
+
+
 def median_seconds(fn, repeats, setup=None, warmup=None, cuda_events=False):
     """Median seconds of fn(setup()) over `repeats` calls, after one untimed warm-up.
 

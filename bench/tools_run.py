@@ -38,7 +38,7 @@ import time
 import torch
 
 from bench.real import load_real_model_module, tree
-from bench.shared import ROOT
+from bench.shared import ROOT, bench_command
 
 # 3-digit operands, one multiplication: a product of 4-5 digits the model cannot
 # do in its head
@@ -182,11 +182,7 @@ def bench_tools_run(args):
 
 def report(results, steps, num_eval, args):
     """The markdown section for docs/benchmarks.md."""
-    command = "python -m bench tools_run"
-    if args.steps:
-        command += f" --steps {args.steps}"
-    if args.tiny:
-        command += " --tiny"
+    command = bench_command("tools_run", args)
 
     lines = [
         f"Command: `{command}`. Tree `{tree()}`. Word problems `{PROBLEMS}` with "

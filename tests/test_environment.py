@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 import data
 import environment
 from environment import load_specs
-from helpers import read_metrics, run_train, without_timings
+from helpers import fine_tune, read_metrics, run_train, without_timings
 from reward import accuracy_reward, environment_reward_func, final_number_reward, score
 from rollout import Engine, HFEngine, VLLMEngine
 from task import TEXT_CHARS, build_tiny_model, build_tokenizer
@@ -89,26 +89,15 @@ def caller(tmp_path_factory, chat, specs):
     model = build_tiny_model(chat, seed=0, hidden_size=64, num_layers=1, num_heads=2,
                              max_len=1280)
 
-    rows = []
+    examples = []
     for name, (_, _, row, call, result, last) in CONVERSATIONS.items():
         prompt = prompt_of(chat, specs[name][None], row)
         ids, tool = expected_completion(chat, call, result, last)
-        rows.append((prompt, ids, tool))
+        # the policy's tokens only
+        target = [x if not t else -100 for x, t in zip(ids, tool)]
+        examples.append((prompt, ids, target))
 
-    length = max(len(p) + len(c) for p, c, _ in rows)
-    ids = torch.zeros(len(rows), length, dtype=torch.long)  # (3, L)
-    labels = torch.full((len(rows), length), -100)  # (3, L) the policy's tokens
-    for i, (p, c, tool) in enumerate(rows):
-        ids[i, :len(p) + len(c)] = torch.tensor(p + c)
-        target = [x if not t else -100 for x, t in zip(c, tool)]
-        labels[i, len(p):len(p) + len(c)] = torch.tensor(target)
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    torch.manual_seed(0)
-    for _ in range(150):
-        model(input_ids=ids, labels=labels).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    fine_tune(model, examples, steps=150)
 
     path = str(tmp_path_factory.mktemp("caller"))
     model.save_pretrained(path)

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 import config
 from config import TOOLS_SYSTEM_PROMPT
-from helpers import read_metrics, run_train, train_parser, without_timings
+from helpers import fine_tune, read_metrics, run_train, train_parser, without_timings
 from loss_calls import call_policy_loss
 from model import completion_logits, pad_id, prompt_batch
 from reduction import minibatch_tokens
@@ -302,20 +302,7 @@ def coder(tmp_path_factory, chars):
         completion = encode(chars, target) + [chars.eos_token_id]
         rows.append((encode(chars, question), completion))
 
-    length = max(len(p) + len(c) for p, c in rows)
-    ids = torch.zeros(len(rows), length, dtype=torch.long)  # (4, L)
-    labels = torch.full((len(rows), length), -100)  # (4, L) the completion only
-    for i, (p, c) in enumerate(rows):
-        ids[i, :len(p) + len(c)] = torch.tensor(p + c)
-        labels[i, len(p):len(p) + len(c)] = torch.tensor(c)
-
-    # lr 1e-2 spikes on its last steps (torch 2.13's CPU kernels): 3e-3, longer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    torch.manual_seed(0)
-    for _ in range(200):
-        model(input_ids=ids, labels=labels).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    fine_tune(model, [(p, c, c) for p, c in rows], steps=200)
 
     path = str(tmp_path_factory.mktemp("coder"))
     model.save_pretrained(path)
