@@ -154,8 +154,11 @@ def load_model(path, dtype, device, fsdp=False, lora=None, frozen=False):
         weights_dtype = dtype
     else:
         weights_dtype = torch.float32
+    attention = {}
+    if torch.device(device).type == "cpu":
+        attention = dict(attn_implementation=register_gqa_attention())
     try:
-        m = AutoModelForCausalLM.from_pretrained(path, dtype=weights_dtype)
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=weights_dtype, **attention)
     # OSError (no weights), SafetensorError (cut short), RuntimeError (shapes)
     except Exception as e:
         first_line = str(e).strip().splitlines()[0]
@@ -174,6 +177,40 @@ def load_model(path, dtype, device, fsdp=False, lora=None, frozen=False):
     elif frozen:
         m = m.eval().requires_grad_(False)
     return m.to(device)
+
+
+def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                       is_causal=None, **kwargs):
+    """transformers' "sdpa" attention, with the grouped KV heads passed as they
+    are (enable_gqa) even under a padding mask.
+
+    transformers repeats each KV head for its query heads first wherever there
+    is a mask, because CUDA's fused kernels take no mask with GQA. On CPU that
+    copy costs a fifth of a decode step (SmolLM2: 3 KV heads for 9 query heads)
+    and a third more saved attention inputs in the update. The same numbers:
+    tests/test_model.py.
+    query (b, H, q, d), key and value (b, H_kv, k, d) -> ((b, q, H, d), None).
+    """
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    # a mask, or a single query (decode), is never causal here
+    is_causal = bool(is_causal and attention_mask is None and query.shape[2] > 1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+        is_causal=is_causal, enable_gqa=key.shape[1] != query.shape[1])  # (b, H, q, d)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_gqa_attention():
+    """Register sdpa_gqa_attention with transformers (once) -> its name, for
+    from_pretrained(attn_implementation=...). Its masks are sdpa's."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    name = "tinygrpo_sdpa_gqa"
+    AttentionInterface.register(name, sdpa_gqa_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+    return name
 
 
 def load_reference(policy, path, dtype, device, fsdp):

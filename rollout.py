@@ -123,6 +123,24 @@ def process_logits(logits, seen, temperature, top_p=1.0, top_k=0, min_p=0.0,
     return scores
 
 
+def draw_tokens(logps):
+    """One token per row from p = exp(logps): (N, V) -> (N,), by inverse CDF.
+
+    One uniform u per row, scaled to the row's total mass, picks the first token
+    whose cumulative probability exceeds it: token v with probability p_v
+    (https://en.wikipedia.org/wiki/Inverse_transform_sampling). torch's
+    multinomial draws an exponential per logit instead, 8 % of a decode step
+    here. The CDF is summed in fp64, so its rounding shifts no token's
+    probability measurably; a token of probability 0 (filtered, -inf) spans an
+    empty interval and is never drawn. tests/test_rollout.py checks the
+    frequencies against p.
+    """
+    cdf = logps.exp().double().cumsum(-1)  # (N, V)
+    u = torch.rand(cdf.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # (N, 1)
+    token = torch.searchsorted(cdf, u, right=True)[:, 0]  # (N,)
+    return token.clamp(max=cdf.shape[1] - 1)
+
+
 class Engine:
     """A rollout engine. generate samples through the subclass's sample.
 
@@ -347,6 +365,37 @@ class VLLMEngine(Engine):
             self.llm = None
 
 
+def preallocated_cache(model, prefill_cache, rows, length):
+    """The prompts' KV cache (B rows), copied to the completions' rows (N,) of
+    a StaticCache of `length` positions.
+
+    Each decode step writes its token's keys and values in place; a growing
+    DynamicCache would copy the whole cache a step (torch.cat). Attention runs
+    over all `length` slots, the unfilled ones masked.
+    """
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+
+    class CastingLayer(StaticLayer):
+        # under autocast the prompt's keys can come out fp32 (RoPE's fp32
+        # tables) and a decode step's bf16: stored in the first one's dtype,
+        # as torch.cat would promote them
+        def update(self, key_states, value_states, *args, **kwargs):
+            if self.is_initialized:
+                key_states = key_states.to(self.keys.dtype)
+                value_states = value_states.to(self.values.dtype)
+            return super().update(key_states, value_states, *args, **kwargs)
+
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    # (a sliding-window layer keeps its own class)
+    cache.layers = [CastingLayer(max_cache_len=length) if type(layer) is StaticLayer else layer
+                    for layer in cache.layers]
+    for i, layer in enumerate(prefill_cache.layers):
+        # (N, H_kv, P, d) each
+        cache.update(layer.keys[rows], layer.values[rows], i)
+    return cache
+
+
 class HFEngine(Engine):
     def __init__(self, model, tokenizer, *, seed=0, dtype="float32"):
         self.model = model
@@ -393,12 +442,17 @@ class HFEngine(Engine):
                         use_cache=True, logits_to_keep=1)
             logits = out.logits[rows, -1]  # (N, V)
 
-            # 2) copy the KV cache to its n completions
-            cache = out.past_key_values
-            cache.batch_select_indices(rows)  # (B, ...) -> (N, ...) per layer
+            # 2) copy the KV cache to its n completions, in a buffer that holds
+            # every new token (no torch.cat a step)
+            P = ids.shape[1]
+            cache = preallocated_cache(model, out.past_key_values, rows,
+                                       P + max_new_tokens)
             # (N, P) the tokens so far, a real token in place of each pad
             seen = torch.where(mask.bool(), ids, ids[:, -1:])[rows]
-            mask = mask[rows]  # (N, P)
+            # (N, P + max_new_tokens): a new token's slot is unmasked as it enters
+            full_mask = torch.zeros(len(rows), P + max_new_tokens, dtype=mask.dtype,
+                                    device=ids.device)
+            full_mask[:, :P] = mask[rows]
             last = positions[rows, -1:]  # (N, 1) the last prompt position
             done = torch.zeros_like(rows, dtype=torch.bool)  # (N,)
             lengths = torch.zeros_like(rows)  # (N,) tokens up to the first EOS
@@ -409,13 +463,14 @@ class HFEngine(Engine):
                 if t < max_new_tokens:
                     scores = process_logits(logits.float(), seen, temperature,
                                             **filters)  # (N, V)
+                    all_logps = scores.log_softmax(-1)  # (N, V)
                     if greedy:
                         token = scores.argmax(-1)
                     else:
-                        token = scores.softmax(-1).multinomial(1)[:, 0]
+                        token = draw_tokens(all_logps)
                     token = token.masked_fill(done, self.pad_id)
                     tokens.append(token)
-                    logp = scores.log_softmax(-1).gather(1, token[:, None])[:, 0]  # (N,)
+                    logp = all_logps.gather(1, token[:, None])[:, 0]  # (N,)
                     logps.append(logp)
                     lengths = lengths + ~done
                     done = done | torch.isin(token, eos)
@@ -425,8 +480,8 @@ class HFEngine(Engine):
                 if agree(t + 1 >= max_new_tokens or bool(done.all())):
                     break
 
-                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)  # (N, P+t+1)
-                logits = model(input_ids=token[:, None], attention_mask=mask,
+                full_mask[:, P + t] = 1
+                logits = model(input_ids=token[:, None], attention_mask=full_mask,
                                past_key_values=cache, position_ids=last + t + 1,
                                use_cache=True).logits[:, -1]  # (N, V)
         model.train(was_training)

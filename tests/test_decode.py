@@ -1,0 +1,138 @@
+"""The CPU fast paths of the HF engine and the update, each against what it replaced.
+
+- sdpa_gqa_attention (model.py): grouped KV heads passed to SDPA as they are,
+  against transformers' "sdpa", which repeats them: the same logits and
+  gradients, left-padded, prefix shared.
+- the preallocated KV cache (rollout.preallocated_cache): the sampler's
+  log-probs equal a full forward over each finished sequence, and greedy
+  decoding picks each step's argmax of that forward.
+- draw_tokens (inverse CDF): its frequencies match p, and a token of
+  probability 0 is never drawn.
+
+The model is a tiny Qwen2 with 2 KV heads for 4 query heads (head_dim 32), as
+SmolLM2 and Qwen2.5 group theirs.
+"""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from helpers import PROMPTS
+from model import completion_logits, load_model, prompt_batch, selective_log_softmax
+from rollout import HFEngine, draw_tokens
+from task import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def grouped(tmp_path_factory):
+    """(folder, the policy as load_model loads it, tokenizer, prompt ids)."""
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=128, tie_word_embeddings=True,
+                         eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+
+    path = str(tmp_path_factory.mktemp("grouped"))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+    policy = load_model(path, torch.float32, torch.device("cpu")).eval()
+    # unequal lengths: left padding in every batch
+    prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
+    return path, policy, tokenizer, prompt_ids
+
+
+def test_load_model_uses_the_grouped_attention_on_cpu(grouped):
+    _, policy, _, _ = grouped
+    assert policy.config._attn_implementation == "tinygrpo_sdpa_gqa"
+
+
+def test_grouped_attention_equals_repeated_heads(grouped):
+    """completion_logits (prefix shared, left padded) and their gradients."""
+    path, policy, tokenizer, prompt_ids = grouped
+    reference = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
+    assert reference.config._attn_implementation == "sdpa"
+
+    # 2 completions per prompt, 6 tokens each
+    G, T = 2, 6
+    gen = torch.Generator().manual_seed(0)
+    every_prompt = [p for p in prompt_ids for _ in range(G)]
+    prompts = prompt_batch(every_prompt, tokenizer.pad_token_id)
+    ids = torch.randint(0, len(tokenizer), (len(every_prompt), T), generator=gen)  # (N, T)
+    rows = torch.arange(len(every_prompt))
+
+    results = []
+    for model in (policy, reference):
+        model.zero_grad()
+        logits = completion_logits(model, prompts, rows, ids)  # (N, T, V)
+        selective_log_softmax(logits, ids).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        results.append((logits.detach(), grads))
+
+    (ours, our_grads), (theirs, their_grads) = results
+    assert (ours - theirs).abs().max() < 1e-5
+    for a, b in zip(our_grads, their_grads, strict=True):
+        assert (a - b).abs().max() < 1e-5
+
+
+def full_forward_logps(model, rollout, temperature):
+    """Each finished sequence in one forward, no cache -> ((N, T) log-probs of
+    the sampled tokens, (N, T) argmax tokens), 0 where masked."""
+    logps = torch.zeros_like(rollout.sampling_logps)  # (N, T)
+    argmax = torch.zeros_like(rollout.completion_ids)  # (N, T)
+    sequences = zip(rollout.prompt_ids, rollout.completion_ids, rollout.completion_mask)
+
+    with torch.no_grad():
+        for i, (prompt, ids, mask) in enumerate(sequences):
+            n = int(mask.sum())
+            seq = torch.tensor([prompt + ids[:n].tolist()])  # (1, P + n)
+            logits = model(seq).logits[:, len(prompt) - 1 : -1]  # (1, n, V)
+            logps[i, :n] = selective_log_softmax(logits, seq[:, len(prompt):],
+                                                 temperature or 1.0)[0]
+            argmax[i, :n] = logits[0].argmax(-1)
+    return logps, argmax
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_preallocated_cache_decodes_as_a_full_forward(grouped, temperature):
+    _, policy, tokenizer, prompt_ids = grouped
+    engine = HFEngine(policy, tokenizer, seed=0)
+    rollout = engine.generate(prompt_ids, 1 if temperature == 0 else 3, 24,
+                              temperature=temperature)
+    mask = rollout.completion_mask.bool()
+    # long enough that the cache fills well past the prompts
+    assert rollout.completion_mask.sum(1).max() >= 16
+
+    logps, argmax = full_forward_logps(policy, rollout, temperature)
+    assert (rollout.sampling_logps - logps)[mask].abs().max() < 1e-5
+    if temperature == 0:
+        assert torch.equal(rollout.completion_ids[mask], argmax[mask])
+
+
+def test_draw_tokens_matches_the_distribution():
+    """200,000 draws from 2 rows: a chi-square test per row at p = 0.001 (a
+    fixed seed: the same draws each run), and never a filtered token."""
+    probs = torch.tensor([[0.5, 0.25, 0.125, 0.0625, 0.0625, 0.0],
+                          [0.0, 0.01, 0.09, 0.3, 0.0, 0.6]])
+    logps = probs.log()  # -inf at the filtered tokens
+    draws = 100_000
+    torch.manual_seed(0)
+    tokens = torch.stack([draw_tokens(logps) for _ in range(draws)])  # (draws, 2)
+
+    # the 0.999 quantile of chi-square with 4 and 3 degrees of freedom
+    critical = {4: 18.47, 3: 16.27}
+    for row in range(2):
+        counts = torch.bincount(tokens[:, row], minlength=6).double()
+        kept = probs[row] > 0
+        assert counts[~kept].sum() == 0, "a filtered token was drawn"
+        expected = draws * probs[row][kept].double()
+        chi2 = ((counts[kept] - expected) ** 2 / expected).sum().item()
+        assert chi2 < critical[int(kept.sum()) - 1], (row, chi2)
+
+    # the test has power: a draw off by one token fails it
+    shifted = torch.bincount((tokens[:, 0] + 1).clamp(max=5), minlength=6).double()[:5]
+    expected = draws * probs[0][:5].double()
+    assert ((shifted - expected) ** 2 / expected).sum().item() > 1000
