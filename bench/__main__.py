@@ -19,6 +19,8 @@ MODES = {
     "update": ("update", "bench_update"),
     "runs": ("runs", "bench_runs"),
     "trl": ("runs", "bench_trl"),
+    # trl --real: the TRL side, in the subprocess it starts
+    "_trl_real": ("trl_real", "trl_run"),
     "real": ("real", "bench_real"),
     "tools_run": ("tools_run", "bench_tools_run"),
     "game_run": ("game_run", "bench_game_run"),
@@ -66,6 +68,12 @@ def parse_args():
         help="trl: leave out train.py --engine vllm")
     add("--eval-every", type=int, default=25,
         help="trl: held-out evaluation every N steps, both trainers")
+    add("--real", action="store_true",
+        help="trl: side by side on SmolLM2-135M-Instruct (bench/trl_real.py)")
+
+    # _trl_real: its checkpoint and data
+    add("--model", help=argparse.SUPPRESS)
+    add("--dataset", help=argparse.SUPPRESS)
 
     # _memory_step: its one setting
     add("--micro", type=int, default=2, help=argparse.SUPPRESS)

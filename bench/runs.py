@@ -130,6 +130,10 @@ def bench_trl(args):
     from common import require
     from reward import get_reward_funcs
 
+    if args.real:
+        from bench.trl_real import bench_trl_real
+        return bench_trl_real(args)
+
     trl = require("trl", "python -m bench trl needs TRL (not a requirement of this "
                   "repo): pip install trl")
     # TRL's dependency
