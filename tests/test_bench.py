@@ -107,3 +107,27 @@ def test_python_m_bench_runs_reads_an_out_dir(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     line = "median step 0.100 s | update 0.050 | held-out >= 0.95 at step 5"
     assert line in proc.stdout
+
+
+def test_trl_real_summary_leaves_the_first_step_out():
+    """trl --real: medians over steps 2.., the update as the step less the
+    rollout, and train.py's records read as the TRL run's are."""
+    from bench.trl_real import ours, summary
+
+    records = [dict(step_s=9.0, rollout_s=5.0, completion_tokens=64, rss_peak_gb=1.0),
+               dict(step_s=3.0, rollout_s=1.0, completion_tokens=40, rss_peak_gb=2.0),
+               dict(step_s=5.0, rollout_s=2.0, completion_tokens=60, rss_peak_gb=1.5),
+               dict(step_s=4.0, rollout_s=1.5, completion_tokens=50, rss_peak_gb=1.2)]
+    s = summary(records)
+    assert (s["step_s"], s["rollout_s"], s["tokens"]) == (4.0, 1.5, 50)
+    assert s["update_s"] == 2.5
+    assert math.isclose(s["rollout_tok_s"], 50 / 1.5)
+    assert s["rss_peak_gb"] == 2.0  # the peak of all steps, the first too
+
+    # train.py: step 0 is the first evaluation; the rollout holds the rewards
+    metrics = [dict(step=0),
+               dict(step=1, time_rollout=2.0, time_reward=0.5, time_update=3.0,
+                    time_sync=0.5, len_mean=10.0, rss_peak_gb=1.0)]
+    assert ours(metrics, G=4, prompts=2) == [dict(step_s=6.0, rollout_s=2.5,
+                                                   completion_tokens=80.0,
+                                                   rss_peak_gb=1.0)]
