@@ -365,6 +365,14 @@ class VLLMEngine(Engine):
             self.llm = None
 
 
+def most_on_any_rank(value, device):
+    """The largest of an int across the ranks (FSDP2 ranks may ask for
+    different max_new_tokens, and all decode until the last one ends)."""
+    most = torch.tensor([value], device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item())
+
+
 def preallocated_cache(model, prefill_cache, rows, length):
     """The prompts' KV cache (B rows), copied to the completions' rows (N,) of
     a StaticCache of `length` positions.
@@ -445,13 +453,15 @@ class HFEngine(Engine):
             # 2) copy the KV cache to its n completions, in a buffer that holds
             # every new token (no torch.cat a step)
             P = ids.shape[1]
-            cache = preallocated_cache(model, out.past_key_values, rows,
-                                       P + max_new_tokens)
+            # FSDP2: a rank steps on until the longest-running rank ends
+            steps = max_new_tokens
+            if synced:
+                steps = most_on_any_rank(max_new_tokens, ids.device)
+            cache = preallocated_cache(model, out.past_key_values, rows, P + steps)
             # (N, P) the tokens so far, a real token in place of each pad
             seen = torch.where(mask.bool(), ids, ids[:, -1:])[rows]
             # (N, P + max_new_tokens): a new token's slot is unmasked as it enters
-            full_mask = torch.zeros(len(rows), P + max_new_tokens, dtype=mask.dtype,
-                                    device=ids.device)
+            full_mask = torch.zeros(len(rows), P + steps, dtype=mask.dtype, device=ids.device)
             full_mask[:, :P] = mask[rows]
             last = positions[rows, -1:]  # (N, 1) the last prompt position
             done = torch.zeros_like(rows, dtype=torch.bool)  # (N,)
