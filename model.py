@@ -186,9 +186,9 @@ def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, s
 
     transformers repeats each KV head for its query heads first wherever there
     is a mask, because CUDA's fused kernels take no mask with GQA. On CPU that
-    copy costs a fifth of a decode step (SmolLM2: 3 KV heads for 9 query heads)
-    and a third more saved attention inputs in the update. The same numbers:
-    tests/test_model.py.
+    copy costs a fifth of a decode step (SmolLM2: 3 KV heads for 9 query heads),
+    and the update saves the repeated copies for backward. The same numbers:
+    tests/test_decode.py.
     query (b, H, q, d), key and value (b, H_kv, k, d) -> ((b, q, H, d), None).
     """
     if is_causal is None:

