@@ -194,6 +194,9 @@ add("--minibatch-size", type=number(int, 0), default=0,
     help="completions per optimizer step per rank (0: all)")
 add("--micro-batch-size", type=number(int, 0), default=0,
     help="completions per forward/backward (0: minibatch)")
+add("--gradient-checkpointing", action="store_true",
+    help="recompute each decoder layer's activations in backward: less memory, "
+         "about a third more update compute (TRL's gradient_checkpointing)")
 add("--lora-rank", type=number(int, 0), default=0,
     help="train LoRA adapters of this rank, base frozen (0: full fine-tuning)")
 add("--lora-alpha", type=pos, default=None,

@@ -47,6 +47,8 @@ from functools import partial
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from common import cause
 from lora import AdaptersOff, add_lora, is_lora
@@ -139,13 +141,14 @@ def _check_weights(path):
                              f"short ({e}): copy or save the model again") from None
 
 
-def load_model(path, dtype, device, fsdp=False, lora=None, frozen=False):
+def load_model(path, dtype, device, fsdp=False, lora=None, frozen=False, recompute=False):
     """The trainable policy in fp32, or a frozen model (the reference) in dtype.
 
     A frozen model is in eval mode. fsdp: shard each decoder layer over the ranks
     (simplification 1). lora, a peft LoraConfig (lora.lora_config): the base
-    model in dtype, frozen, with fp32 adapters. ValueError naming the folder when
-    its weights do not load (missing, cut short, another shape).
+    model in dtype, frozen, with fp32 adapters. recompute: checkpoint each
+    decoder layer (recompute_layers). ValueError naming the folder when its
+    weights do not load (missing, cut short, another shape).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
@@ -165,6 +168,8 @@ def load_model(path, dtype, device, fsdp=False, lora=None, frozen=False):
         raise ValueError(f"model {path!r}: cannot load its weights "
                          f"({first_line})") from None
 
+    if recompute:
+        recompute_layers(m)
     if fsdp:
         # compute in dtype, reduce gradients in fp32
         mixed = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -308,11 +313,15 @@ def completion_logits(model, prompts, rows, completion_ids, dtype=torch.float32)
         # (a 1-position LM head)
         cache = None
         if S > 0:
-            cache = model(input_ids=ids[:, :S], attention_mask=mask[:, :S],
-                          position_ids=positions[:, :S], use_cache=True,
-                          logits_to_keep=1).past_key_values
+            prefix = replayable_cache(model, PrefixLayer)
+            model(input_ids=ids[:, :S], attention_mask=mask[:, :S],
+                  position_ids=positions[:, :S], past_key_values=prefix, use_cache=True,
+                  logits_to_keep=1)
+
             # 2) the cache, gathered to the n completions (a differentiable index)
-            cache.batch_select_indices(row)  # (b, ...) -> (n, ...) per layer
+            cache = replayable_cache(model, ExtendLayer)
+            for gathered, layer in zip(cache.layers, prefix.layers, strict=True):
+                gathered.hold(layer.keys[row], layer.values[row])  # (n, H_kv, S, d) each
 
         # 3) each completion on top of it, fed [last prompt token, completion[:-1]]
         # completion[:-1] follows the prompt's last position
@@ -326,6 +335,83 @@ def completion_logits(model, prompts, rows, completion_ids, dtype=torch.float32)
         return model(input_ids=input_ids, attention_mask=attention_mask,
                      position_ids=position_ids, past_key_values=cache, use_cache=False,
                      logits_to_keep=T).logits  # (n, T, V)
+
+
+# -----------------------------------------------------------------------------
+# Recomputed activations (--gradient-checkpointing) and the caches a replay can repeat
+
+def recompute_layers(model):
+    """Checkpoint every decoder layer of model: its activations are dropped after
+    the forward and recomputed in the backward (about a third more update
+    compute; the saved activations of a micro-batch fall to each layer's input).
+
+    transformers' own switch (gradient_checkpointing_enable) drops the KV cache,
+    which the shared prompt prefix needs (completion_logits). Here each layer
+    keeps it: the caches completion_logits passes are replayable_cache's, whose
+    update gives the same result when the backward replays a layer.
+    Non-reentrant checkpointing (https://pytorch.org/docs/stable/checkpoint.html).
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no decoder layers that "
+                         f"transformers can checkpoint")
+    for layer in layers:
+        layer.gradient_checkpointing = True
+        layer._can_checkpoint_with_cache = True
+        layer._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
+    return len(layers)
+
+
+def replayable_cache(model, layer_class):
+    """A DynamicCache for model whose layers are layer_class (PrefixLayer or
+    ExtendLayer). ValueError for a sliding-window layer, which neither replaces."""
+    cache = DynamicCache(config=unwrap_config(model))
+    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+        raise ValueError("prefix sharing needs full-attention layers; this model "
+                         "has sliding-window ones")
+    cache.layers = [layer_class() for _ in cache.layers]
+    return cache
+
+
+def unwrap_config(model):
+    # DDP keeps the model in .module
+    return getattr(model, "module", model).config
+
+
+class _HeldLayer:
+    """Keys and values a cache layer holds: (b, H_kv, S, d) each."""
+
+    is_sliding = False
+
+    def hold(self, keys, values):
+        self.keys = keys
+        self.values = values
+        self.dtype = keys.dtype
+        self.device = keys.device
+        self.is_initialized = True
+
+
+class PrefixLayer(_HeldLayer, DynamicLayer):
+    """The prompt prefix's layer: update stores the keys and values it is given
+    (the cache starts empty) and returns them. A replay stores them again: the
+    same tensors' recomputation, not a second append."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.hold(key_states, value_states)
+        return key_states, value_states
+
+
+class ExtendLayer(_HeldLayer, DynamicLayer):
+    """The completions' layer over a held prefix: update returns prefix + new
+    keys and values, and stores nothing (the completions' own are not needed
+    after their forward), so a replay sees the same prefix."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        keys = torch.cat([self.keys, key_states], dim=-2)  # (n, H_kv, S+q, d)
+        values = torch.cat([self.values, value_states], dim=-2)  # (n, H_kv, S+q, d)
+        return keys, values
 
 
 # log-probs and entropies from logits, a chunk of rows at a time

@@ -230,7 +230,8 @@ try:
     lora = lora_config(args.lora_rank, args.lora_alpha, args.lora_dropout,
                        args.lora_targets)
     policy_path = init_path if args.lora_rank else model_path
-    raw_model = load_model(policy_path, dtype, device, args.fsdp, lora)
+    raw_model = load_model(policy_path, dtype, device, args.fsdp, lora,
+                           recompute=args.gradient_checkpointing)
 except (ValueError, FileNotFoundError) as e:
     fail(str(e))
 ref_model = None

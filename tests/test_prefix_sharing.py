@@ -5,11 +5,13 @@ forward over whole (prompt + completion) sequences, whatever the prompt lengths
 (left padding, a 1-token prompt), the micro-batch cut (through a group) and the
 dtype.
 """
+import copy
+
 import pytest
 import torch
 
-from model import (completion_logits, prompt_batch, selective_log_softmax, sequence_batch,
-                   sequence_logps)
+from model import (completion_logits, prompt_batch, recompute_layers, selective_log_softmax,
+                   sequence_batch, sequence_logps)
 
 
 def whole_sequence_logits(model, prompt_ids, completion_ids):
@@ -85,3 +87,55 @@ def test_sequence_logps_bf16_matches_whole_sequences(tiny):
     assert got.shape == completion_ids.shape
     # bf16 rounding differs with the batch shape
     torch.testing.assert_close(got, want.float(), atol=0.05, rtol=0.0)
+
+
+def saved_bytes(fn):
+    """fn() under autograd -> (its result, the bytes autograd saved for backward)."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(saved)
+
+
+# through groups; no prefix at all
+@pytest.mark.parametrize("micro, lengths", [(5, (3, 1, 5, 2)), (12, (1, 1, 1, 1))])
+def test_recomputed_layers_give_the_same_logits_and_gradients(tiny, micro, lengths):
+    """--gradient-checkpointing: each layer replayed in backward, its cache update
+    repeated (PrefixLayer, ExtendLayer), the same numbers with less saved."""
+    _, model, _, _ = tiny
+    recomputed = copy.deepcopy(model)
+    assert recompute_layers(recomputed) == model.config.num_hidden_layers
+    prompt_ids, completion_ids = rollout_like(lengths=lengths)
+    N = len(prompt_ids)
+    weights = torch.randn(N, completion_ids.shape[1], model.config.vocab_size)
+    prompts = prompt_batch(prompt_ids, 0)
+
+    results = []
+    for m in (model, recomputed):
+        m.zero_grad()
+        logits = []
+        saved = 0
+        for i in range(0, N, micro):
+            rows = slice(i, i + micro)
+
+            def forward():
+                return completion_logits(m, prompts, rows, completion_ids[rows])  # (n, T, V)
+
+            out, nbytes = saved_bytes(forward)
+            saved = max(saved, nbytes)
+            (out * weights[rows]).sum().backward()
+            logits.append(out.detach())
+        grads = {k: p.grad.clone() for k, p in m.named_parameters()}
+        results.append((torch.cat(logits), grads, saved))
+
+    (want, want_grads, plain_saved), (got, got_grads, recomputed_saved) = results
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    for k in want_grads:
+        torch.testing.assert_close(got_grads[k], want_grads[k], atol=1e-6, rtol=1e-6, msg=k)
+    # each layer keeps its input and the prefix cache, not its activations
+    assert recomputed_saved < plain_saved / 2, (recomputed_saved, plain_saved)
