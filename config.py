@@ -176,6 +176,9 @@ add("--reward-weights", type=number(float), nargs="+", default=None,
 add("--scale-rewards", default="group", choices=SCALE_REWARDS)
 add("--reward-aggregation", default="sum_then_normalize", choices=REWARD_AGGREGATIONS,
     help="normalize_then_sum: each reward z-scored in its group first (GDPO)")
+add("--overlong-buffer", type=number(int, 0), default=0, metavar="N",
+    help="one more reward of weight 1, DAPO's soft overlong punishment: 0 up to "
+         "--max-new-tokens - N tokens, then down to -1 at --max-new-tokens (0: off)")
 add("--eval-reward", default=None,
     help="held-out accuracy's reward, like --rewards (recipe: exact match / accuracy)")
 # under gloo's 1800 s collective timeout (NCCL's: 600 s)
@@ -527,6 +530,9 @@ def check_flags(args):
         (len(args.reward_weights) == len(args.rewards),
          f"--reward-weights has {len(args.reward_weights)} values for "
          f"{len(args.rewards)} --rewards: give one per reward"),
+        (args.overlong_buffer <= args.max_new_tokens,
+         f"--overlong-buffer {args.overlong_buffer} is longer than --max-new-tokens "
+         f"{args.max_new_tokens}: the punishment ramps over the last N tokens allowed"),
         # an --environment's get_reward weighs 1 (train.py adds it)
         (any(args.reward_weights) or args.environment,
          "--reward-weights are all 0: every advantage would be 0 and nothing "

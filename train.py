@@ -85,7 +85,14 @@ from model import (completion_logits, entropy_from_logits, load_model, load_refe
                    load_tokenizer, pad_id, prompt_batch, sequence_logps, truncate_logits,
                    wrap_ddp)
 from reduction import kept_mask, minibatch_tokens, row_weights
-from reward import environment_reward_func, final_number_reward, get_reward_funcs, pass_at_k, score
+from reward import (
+    environment_reward_func,
+    final_number_reward,
+    get_reward_funcs,
+    get_soft_overlong_punishment,
+    pass_at_k,
+    score,
+)
 from rollout import make_engine, pick_engine
 from server import RemoteEngine
 from tool_format import supports_tools
@@ -112,6 +119,12 @@ ckpt_root = os.path.join(args.out_dir, "checkpoints")
 device, dtype = setup(args.threads, args.dtype)
 try:
     reward_funcs = get_reward_funcs(args.rewards)
+    if args.overlong_buffer:
+        # a completion that runs to the limit is punished, not just cut (DAPO,
+        # https://arxiv.org/abs/2503.14476 eq. 13)
+        reward_funcs.append(get_soft_overlong_punishment(args.max_new_tokens,
+                                                         args.overlong_buffer))
+        args.reward_weights = args.reward_weights + [1.0]
     # None: an --environment's own reward (after its probe, below)
     eval_func = None
     if args.eval_reward:

@@ -106,6 +106,8 @@ FLAG_CASES = {
     "eval_k=0":
         (["--eval-samples", "4", "--eval-k", "0"],
          "argument --eval-k: must be >= 1, got 0"),
+    "overlong_buffer<0":
+        (["--overlong-buffer", "-1"], "argument --overlong-buffer: must be >= 0, got -1"),
 }
 
 
@@ -170,6 +172,9 @@ RULE_CASES = {
     "eval_k > eval_samples":
         (["--eval-samples", "4", "--eval-k", "1", "8"],
          "--eval-k 1 8: each k must be <= --eval-samples 4"),
+    "overlong buffer > max new tokens":
+        (["--max-new-tokens", "8", "--overlong-buffer", "9"],
+         "--overlong-buffer 9 is longer than --max-new-tokens 8"),
 }
 
 

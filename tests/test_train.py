@@ -44,6 +44,22 @@ def test_same_seed_same_metrics(tmp_path):
     assert without_timings(a) != without_timings(c)  # the comparison can fail
 
 
+def test_overlong_buffer_adds_the_punishment_as_a_reward(tmp_path):
+    """--overlong-buffer 2 at --max-new-tokens 4: 0 up to 2 tokens, -0.5 at 3, -1
+    at 4, one more reward of weight 1."""
+    flags = ["--engine", "hf", "--steps", "1", "--max-new-tokens", "4",
+             "--overlong-buffer", "2"]
+    _, _, records = run_train(FAST + flags, tmp_path)
+
+    step = records[-1]
+    punishment = step["reward/soft_overlong_punishment"]
+    assert -1 <= punishment < 0  # 4 new tokens: the task's answer needs all of them
+    if step["truncated"] == 1:
+        assert punishment == -1
+    parts = step["reward/exact_match_reward"] + step["reward/position_reward"] * 0.5
+    assert step["reward_mean"] == pytest.approx(parts + punishment)
+
+
 def test_mu2_minibatches_beta_dapo(tmp_path):
     """The off-policy path: old log-probs recomputed, 2 passes x 2 minibatches x
     2 micro-batches, a reference model."""
