@@ -397,7 +397,8 @@ def evaluate():
     n = args.eval_samples or 1
 
     def rewards(temperature, g):
-        """(prompts, g): the eval reward of g completions per prompt."""
+        """(prompts, g): the eval reward of g completions per prompt, and
+        (prompts, g): which were cut at --max-new-tokens."""
         extra = {}
         if tool_rows:
             extra = dict(rows=rows)
@@ -405,22 +406,26 @@ def evaluate():
                                   **sampling, **extra)
         rows_g = [r for r in rows for _ in range(g)]
         rewards = score([eval_func], rows_g, rollout, conversational, args.reward_timeout)
-        return rewards[:, 0].nan_to_num().view(-1, g)
+        truncated = ~rollout.is_finished.view(-1, g)
+        return rewards[:, 0].nan_to_num().view(-1, g), truncated
 
-    greedy = rewards(0.0, 1)  # (prompts, 1)
-    sampled = rewards(args.temperature, n)  # (prompts, n)
+    greedy, greedy_truncated = rewards(0.0, 1)  # (prompts, 1)
+    sampled, _ = rewards(args.temperature, n)  # (prompts, n)
     correct = (sampled >= 1).sum(1)  # (prompts,) of the n
     passes = [sum(pass_at_k(n, int(c), k) for c in correct) for k in eval_k]
 
     # sums over this rank's prompts, then the count
-    sums = [greedy.sum(), sampled.mean(1).sum(), *passes, len(rows)]
-    totals = torch.tensor(sums, device=device)
+    sums = [greedy.sum(), greedy_truncated.sum(), sampled.mean(1).sum(), *passes, len(rows)]
+    totals = torch.tensor(sums, device=device, dtype=torch.float32)
     if ddp:
         dist.all_reduce(totals)
 
     means = (totals[:-1] / totals[-1]).tolist()
-    result = dict(eval_greedy=means[0], eval_sampled=means[1])
-    for k, p in zip(eval_k, means[2:]):
+    # a greedy answer cut at the length limit: a policy that never stops can
+    # still end on the right number
+    result = dict(eval_greedy=means[0], eval_greedy_truncated=means[1],
+                  eval_sampled=means[2])
+    for k, p in zip(eval_k, means[3:]):
         result[f"pass@{k}"] = p
     return result
 
