@@ -13,7 +13,8 @@ measured in the same run. From the repo root:
     python -m bench runs OUT [OUT ...] # out-dirs: median step, stages, time to >= 0.95
     python -m bench trl --seeds 0 1 2  # TRL's GRPOTrainer vs train.py (needs trl)
     python -m bench trl --real         # the same on SmolLM2-135M-Instruct (bench/trl_real.py)
-    python -m bench real --max-minutes 15  # SmolLM2-135M-Instruct learns word problems
+    python -m bench real --max-minutes 15  # SmolLM2-135M-Instruct: speed against the floor
+    python -m bench learn              # SmolLM2-135M-Instruct learns word problems, TRL beside it
     python -m bench tools_run          # --tools python vs no tools: 4-5 digit products
     python -m bench game_run           # guess the number, with vs without the environment
 
@@ -40,5 +41,6 @@ is 1 if any failed.
 
 Files: shared.py (shapes, the never-EOS tokenizer, random-init models, the median
 timer), engines.py (rollout), kernel.py, gpu.py and gpu_train.py (gpu), memory.py
-(memory, lora), update.py, runs.py (runs, trl), trl_real.py (trl --real); __main__.py parses the command line.
+(memory, lora), update.py, runs.py (runs, trl), trl_real.py (trl --real), learn.py
+(learn); __main__.py parses the command line.
 """

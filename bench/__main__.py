@@ -22,6 +22,9 @@ MODES = {
     # trl --real: the TRL side, in the subprocess it starts
     "_trl_real": ("trl_real", "trl_run"),
     "real": ("real", "bench_real"),
+    "learn": ("learn", "bench_learn"),
+    # learn: the TRL side, in the subprocesses it starts
+    "_trl_learn": ("learn", "trl_learn"),
     "tools_run": ("tools_run", "bench_tools_run"),
     "game_run": ("game_run", "bench_game_run"),
     # one setting of `memory`, in the subprocess it starts
@@ -47,9 +50,10 @@ def parse_args():
 
     # gpu mode
     add("--out", default="bench_gpu.json", help="gpu: the JSON file written")
-    add("--max-minutes", type=float, default=8.0,
-        help="gpu: the whole run's deadline; the kernel section must end by 30%% "
-        "of it, rollout by 65%%, train by 100%%")
+    add("--max-minutes", type=float, default=None,
+        help="gpu (default 8): the whole run's deadline; the kernel section must end "
+        "by 30%% of it, rollout by 65%%, train by 100%%. real (8): its learning "
+        "run. learn (15): each run's training time")
     add("--vllm-memory", type=float, default=None,
         help="gpu: the vLLM engine's memory fraction in rollout and train "
         "(default: train.py's 0.3; --tiny on CPU: about 3 GB of the RAM)")
@@ -60,8 +64,8 @@ def parse_args():
     add("--new-tokens", type=int, default=64, help="memory: completion length")
 
     # trl mode
-    add("--seeds", type=int, nargs="+", default=[0],
-        help="trl: one comparison per seed")
+    add("--seeds", type=int, nargs="+", default=None,
+        help="trl (default 0): one comparison per seed; learn (default 0 1)")
     add("--steps", type=int, default=None,
         help="trl: GRPO steps of each run (default: train.py's)")
     add("--no-vllm", action="store_true",
@@ -71,9 +75,17 @@ def parse_args():
     add("--real", action="store_true",
         help="trl: side by side on SmolLM2-135M-Instruct (bench/trl_real.py)")
 
-    # _trl_real: its checkpoint and data
+    # learn mode
+    add("--no-trl", action="store_true", help="learn: train.py's runs only")
+    add("--plot", default=None,
+        help="learn: the PNG written (default: in its work folder)")
+
+    # _trl_real, _trl_learn: its checkpoint and data; _trl_learn: its seed and
+    # training seconds
     add("--model", help=argparse.SUPPRESS)
     add("--dataset", help=argparse.SUPPRESS)
+    add("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    add("--budget", type=float, default=None, help=argparse.SUPPRESS)
 
     # _memory_step: its one setting
     add("--micro", type=int, default=2, help=argparse.SUPPRESS)
@@ -85,6 +97,10 @@ def parse_args():
 def main():
     args = parse_args()
     torch.set_num_threads(args.threads)
+    if args.max_minutes is None:
+        args.max_minutes = 15.0 if args.mode == "learn" else 8.0
+    if args.seeds is None:
+        args.seeds = [0, 1] if args.mode == "learn" else [0]
     if args.mode != "gpu":
         args.repeats = args.repeats or 5
 

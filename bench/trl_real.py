@@ -55,36 +55,53 @@ def recipe(tiny):
     return {**RECIPE, **(TINY if tiny else {})}
 
 
+def trl_trainer(model_path, rows, system_prompt, r, out_dir, steps, seed, callbacks,
+                rewards, reward_weights, micro=None, **config):
+    """TRL 1.16's GRPOTrainer on the checkpoint at model_path, fp32 on the CPU.
+
+    rows: {"prompt", "solution"} word problems, given the system prompt as
+    conversations (TRL renders them with the chat template, as train.py does).
+    r: the recipe (prompts, G, max_new_tokens, temperature, lr). micro:
+    completions a forward and backward (None: the whole step's), the rest
+    accumulated, one generation a step as ever. config: more GRPOConfig fields.
+    """
+    import datasets
+    import trl
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from reward import get_reward_funcs
+
+    rows = [{**row, "prompt": [{"role": "system", "content": system_prompt},
+                               {"role": "user", "content": row["prompt"]}]}
+            for row in rows]
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    step_rows = r["prompts"] * r["G"]
+    config = trl.GRPOConfig(
+        output_dir=out_dir, max_steps=steps,
+        per_device_train_batch_size=micro or step_rows,
+        gradient_accumulation_steps=step_rows // (micro or step_rows), num_generations=r["G"],
+        max_completion_length=r["max_new_tokens"], temperature=r["temperature"],
+        learning_rate=r["lr"], lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, max_grad_norm=1.0, beta=0.0, reward_weights=reward_weights,
+        gradient_checkpointing=False, use_cpu=True, bf16=False, seed=seed,
+        logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
+        dataloader_num_workers=0, **config)
+    return trl.GRPOTrainer(model=model, reward_funcs=list(get_reward_funcs(rewards)),
+                           args=config, train_dataset=datasets.Dataset.from_list(rows),
+                           processing_class=tokenizer, callbacks=callbacks)
+
+
 def trl_run(args):
     """The TRL side, in its own process (`python -m bench _trl_real`): trains
     args.steps steps and writes one JSON record a step to args.out."""
-    import datasets
-    import trl
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import TrainerCallback
 
     from data import DEFAULT_SYSTEM_PROMPT
-    from reward import get_reward_funcs
 
     torch.set_num_threads(args.threads)
-    r = recipe(args.tiny)
     with open(args.dataset) as f:
         rows = [json.loads(line) for line in f]
-    # conversational: TRL renders them with the chat template, as train.py does
-    for row in rows:
-        row["prompt"] = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
-                         {"role": "user", "content": row["prompt"]}]
-
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    config = trl.GRPOConfig(
-        output_dir=os.path.dirname(args.out), max_steps=args.steps,
-        per_device_train_batch_size=r["prompts"] * r["G"], num_generations=r["G"],
-        max_completion_length=r["max_new_tokens"], temperature=r["temperature"],
-        learning_rate=r["lr"], lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=0.0, max_grad_norm=1.0, beta=0.0, reward_weights=[0.1, 1.0],
-        gradient_checkpointing=False, use_cpu=True, bf16=False, seed=0,
-        logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
-        dataloader_num_workers=0)
 
     records = []
     rollout = {}
@@ -98,10 +115,9 @@ def trl_run(args):
             records.append(dict(step=len(records) + 1, step_s=time.time() - self.t0,
                                 rss_peak_gb=rss, **rollout))
 
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=list(get_reward_funcs(
-        ["think_format_reward", "accuracy_reward"])), args=config,
-        train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
-        callbacks=[Timer()])
+    trainer = trl_trainer(args.model, rows, DEFAULT_SYSTEM_PROMPT, recipe(args.tiny),
+                          os.path.dirname(args.out), args.steps, 0, [Timer()],
+                          ["think_format_reward", "accuracy_reward"], [0.1, 1.0])
 
     # its rollout: generation, rewards and advantages, timed from outside
     generate_and_score = trainer._generate_and_score_completions

@@ -131,3 +131,28 @@ def test_trl_real_summary_leaves_the_first_step_out():
     assert ours(metrics, G=4, prompts=2) == [dict(step_s=6.0, rollout_s=2.5,
                                                    completion_tokens=80.0,
                                                    rss_peak_gb=1.0)]
+
+
+def test_learn_counts_training_seconds_and_reports_each_runs_gain():
+    """learn: the clock sums a step's time_* keys (an evaluation is not one of
+    them), and the table gives each run's start, end, gain, best and cut answers."""
+    from argparse import Namespace
+
+    from bench.learn import report, training_clock
+
+    records = [dict(step=0, eval_greedy=0.25, eval_greedy_truncated=0.5),
+               dict(step=1, time_rollout=2.0, time_reward=0.5, time_update=3.0, elapsed=70.0),
+               dict(step=2, time_rollout=1.0, time_update=2.5, elapsed=80.0,
+                    eval_greedy=0.5, eval_greedy_truncated=0.75)]
+    clocked = training_clock(records)
+    assert [c for c, _ in clocked] == [0.0, 5.5, 9.0]
+    assert clocked[2][1]["step"] == 2
+
+    curves = {"train.py": {0: [(0.0, 0, 0.25, 0.5), (9.0, 2, 0.5, 0.75)]},
+              "TRL": {0: [(0.0, 0, 0.25, 0.5), (4.0, 1, 0.75, 0.0), (8.0, 2, 0.5, 0.25)]}}
+    walls = {"train.py": {0: 120.0}, "TRL": {0: 60.0}}
+    args = Namespace(seeds=[0], max_minutes=15.0, tiny=False)
+    table = report(curves, walls, args, 900.0)
+    assert "`python -m bench learn --seeds 0`" in table
+    assert "| train.py, 0 | 2 | 0.250 | 0.500 | +0.250 | 0.500 | 0.50 -> 0.75 | 2.0 min |" in table
+    assert "| TRL, 0 | 2 | 0.250 | 0.500 | +0.250 | 0.750 | 0.50 -> 0.25 | 1.0 min |" in table
