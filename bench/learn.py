@@ -251,14 +251,18 @@ def plot(curves, png):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    styles = {"train.py": "-", "TRL": "--"}
+    # a colour family a trainer, a shade and a marker a seed
+    styles = {"train.py": ("-", ["tab:blue", "tab:cyan", "navy"]),
+              "TRL": ("--", ["tab:red", "tab:orange", "tab:brown"])}
+    markers = ["o", "s", "^"]
     for trainer, by_seed in curves.items():
-        for seed, points in by_seed.items():
+        line, colours = styles[trainer]
+        for i, (seed, points) in enumerate(sorted(by_seed.items())):
             clock, step, greedy, _ = zip(*points)
-            label = f"{trainer}, seed {seed}"
-            axes[0].plot([c / 60 for c in clock], greedy, styles[trainer], marker="o",
-                         label=label)
-            axes[1].plot(step, greedy, styles[trainer], marker="o", label=label)
+            style = dict(color=colours[i % 3], marker=markers[i % 3],
+                         label=f"{trainer}, seed {seed}")
+            axes[0].plot([c / 60 for c in clock], greedy, line, **style)
+            axes[1].plot(step, greedy, line, **style)
 
     for ax, xlabel in zip(axes, ("training time (min, 1 core, evaluations not counted)",
                                  "step (32 completions)")):
@@ -285,14 +289,14 @@ def report(curves, walls, args, budget_s):
         f"Command: `{command}`. Tree `{tree()}`. Training budget {budget_s / 60:.1f} min "
         f"a run, 1 thread each, the seeds of one trainer at the same time.",
         "",
-        "| trainer, seed | steps in the budget | held-out greedy at start | at the end "
+        "| trainer, seed | step of the last evaluation | held-out greedy at start | at the end "
         f"| gain | best | greedy answers cut at {recipe(args.tiny)['max_new_tokens']} tokens, "
         "start -> end "
         "| wall (start-up and evaluations too) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for trainer, by_seed in curves.items():
-        for seed, points in by_seed.items():
+        for seed, points in sorted(by_seed.items()):
             start = points[0][2]
             end = points[-1][2]
             best = max(p[2] for p in points)
