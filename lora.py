@@ -117,6 +117,11 @@ class AdaptersOff:
     def parameters(self):
         return self.model.parameters()
 
+    @property
+    def config(self):
+        # the policy's: completion_logits builds its KV caches from it
+        return self.model.config
+
     def __call__(self, **inputs):
         with self.model.disable_adapter():
             return self.model(**inputs)
