@@ -50,7 +50,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from common import cause
+from common import cause, unwrap
 from lora import AdaptersOff, add_lora, is_lora
 
 
@@ -320,8 +320,13 @@ def completion_logits(model, prompts, rows, completion_ids, dtype=torch.float32)
 
             # 2) the cache, gathered to the n completions (a differentiable index)
             cache = replayable_cache(model, ExtendLayer)
-            for gathered, layer in zip(cache.layers, prefix.layers, strict=True):
-                gathered.hold(layer.keys[row], layer.values[row])  # (n, H_kv, S, d) each
+            for i, layer in enumerate(prefix.layers):
+                if isinstance(layer, PrefixLayer):
+                    cache.layers[i].hold(layer.keys[row], layer.values[row])  # (n, H_kv, S, d)
+                else:
+                    # a sliding-window layer: transformers' own, gathered in place
+                    layer.batch_select_indices(row)
+                    cache.layers[i] = layer
 
         # 3) each completion on top of it, fed [last prompt token, completion[:-1]]
         # completion[:-1] follows the prompt's last position
@@ -357,6 +362,13 @@ def recompute_layers(model):
     if not layers:
         raise ValueError(f"{type(model).__name__} has no decoder layers that "
                          f"transformers can checkpoint")
+    # a sliding-window layer's cache appends on every update: a replay would
+    # append the prompt twice
+    cache = replayable_cache(model, PrefixLayer)
+    if not all(isinstance(layer, PrefixLayer) for layer in cache.layers):
+        raise ValueError("--gradient-checkpointing needs full-attention layers (the "
+                         "backward replays each layer's KV cache); this model has "
+                         "sliding-window ones")
     for layer in layers:
         layer.gradient_checkpointing = True
         layer._can_checkpoint_with_cache = True
@@ -365,19 +377,13 @@ def recompute_layers(model):
 
 
 def replayable_cache(model, layer_class):
-    """A DynamicCache for model whose layers are layer_class (PrefixLayer or
-    ExtendLayer). ValueError for a sliding-window layer, which neither replaces."""
-    cache = DynamicCache(config=unwrap_config(model))
-    if any(type(layer) is not DynamicLayer for layer in cache.layers):
-        raise ValueError("prefix sharing needs full-attention layers; this model "
-                         "has sliding-window ones")
-    cache.layers = [layer_class() for _ in cache.layers]
+    """A DynamicCache for model whose full-attention layers are layer_class
+    (PrefixLayer or ExtendLayer); a sliding-window layer keeps transformers'
+    own class, which a replay cannot repeat (recompute_layers refuses it)."""
+    cache = DynamicCache(config=unwrap(model).config)
+    cache.layers = [layer_class() if type(layer) is DynamicLayer else layer
+                    for layer in cache.layers]
     return cache
-
-
-def unwrap_config(model):
-    # DDP keeps the model in .module
-    return getattr(model, "module", model).config
 
 
 class _HeldLayer:

@@ -139,3 +139,25 @@ def test_recomputed_layers_give_the_same_logits_and_gradients(tiny, micro, lengt
         torch.testing.assert_close(got_grads[k], want_grads[k], atol=1e-6, rtol=1e-6, msg=k)
     # each layer keeps its input and the prefix cache, not its activations
     assert recomputed_saved < plain_saved / 2, (recomputed_saved, plain_saved)
+
+
+def test_sliding_window_layers_share_the_prefix_and_refuse_recompute():
+    """A sliding-window model (Mistral, window 4 < the sequences) keeps
+    transformers' own cache layers: the same logits as whole sequences; its
+    layers cannot be replayed, so --gradient-checkpointing is refused."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=32, hidden_size=64, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=32, sliding_window=4, max_position_embeddings=64)
+    model = MistralForCausalLM(config).eval()
+    prompt_ids, completion_ids = rollout_like(lengths=(6, 1, 7, 2), T=5)
+
+    want = whole_sequence_logits(model, prompt_ids, completion_ids)
+    got = completion_logits(model, prompt_batch(prompt_ids, 0), slice(0, len(prompt_ids)),
+                            completion_ids)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+    with pytest.raises(ValueError, match="needs full-attention layers"):
+        recompute_layers(model)
