@@ -173,13 +173,15 @@ def trl_learn(args):
 
         def __init__(self):
             self.clock = 0.0
+            self.eval_ids = None  # the held-out prompts, tokenized at the first evaluation
 
         def evaluate(self, model, step):
             tokenizer = trainer.processing_class
+            if self.eval_ids is None:
+                _, self.eval_ids, _ = data.prepare_prompts(tokenizer, eval_rows,
+                                                           SYSTEM_PROMPT, 256, "held-out")
             engine = HFEngine(model, tokenizer)
-            _, ids, _ = data.prepare_prompts(tokenizer, eval_rows, SYSTEM_PROMPT, 256,
-                                             "held-out")
-            rollout = engine.generate(ids, 1, r["max_new_tokens"], temperature=0.0)
+            rollout = engine.generate(self.eval_ids, 1, r["max_new_tokens"], temperature=0.0)
             rewards = score([final_number_reward], eval_rows, rollout, True, 300)
             curve.append((self.clock, step, rewards[:, 0].nan_to_num().mean().item(),
                           1 - rollout.is_finished.float().mean().item()))

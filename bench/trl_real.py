@@ -77,10 +77,11 @@ def trl_trainer(model_path, rows, system_prompt, r, out_dir, steps, seed, callba
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     step_rows = r["prompts"] * r["G"]
+    micro = micro or step_rows
     config = trl.GRPOConfig(
         output_dir=out_dir, max_steps=steps,
-        per_device_train_batch_size=micro or step_rows,
-        gradient_accumulation_steps=step_rows // (micro or step_rows), num_generations=r["G"],
+        per_device_train_batch_size=micro, gradient_accumulation_steps=step_rows // micro,
+        num_generations=r["G"],
         max_completion_length=r["max_new_tokens"], temperature=r["temperature"],
         learning_rate=r["lr"], lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, max_grad_norm=1.0, beta=0.0, reward_weights=reward_weights,
