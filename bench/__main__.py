@@ -67,7 +67,8 @@ def parse_args():
     add("--seeds", type=int, nargs="+", default=None,
         help="trl (default 0): one comparison per seed; learn (default 0 1)")
     add("--steps", type=int, default=None,
-        help="trl: GRPO steps of each run (default: train.py's)")
+        help="trl: GRPO steps of each run (default: train.py's); gpu: the train "
+        "section's steps (default 20)")
     add("--no-vllm", action="store_true",
         help="trl: leave out train.py --engine vllm")
     add("--eval-every", type=int, default=25,

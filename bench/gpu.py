@@ -99,6 +99,8 @@ def rollout_section(args, run, report, section):
 
 
 def train_section(args, run, report, section):
+    if args.steps:
+        run = {**run, "train": {**run["train"], "steps": args.steps}}
     section.update(model=run["model"], vocab=run["vocab"], **run["train"],
                    dtype=run["dtype"], vllm_memory=args.vllm_memory,
                    engine_gb=report["rollout"].get("engine_gb"))

@@ -119,8 +119,32 @@ def bench_train(args, run, section):
         section["command"] = "python train.py " + shlex.join(cmd[2:]).replace(tmp, "TMP")
         print(section["command"])
 
-        follow(cmd, section)
-        with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-            section.update(summarize_train([json.loads(line) for line in f]))
+        try:
+            follow(cmd, section)
+        finally:
+            # a run its deadline cut short still reports the steps it finished
+            summarize_what_ran(os.path.join(out_dir, "metrics.jsonl"), section)
+        if "time_step" not in section:
+            raise RuntimeError("train.py finished no step past the warm-up ones")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def summarize_what_ran(metrics_path, section):
+    """summarize_train of the records train.py wrote, into section; nothing if none."""
+    if not os.path.exists(metrics_path):
+        return
+
+    with open(metrics_path) as f:
+        # the last line may be half written when train.py was killed
+        records = []
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+
+    try:
+        section.update(summarize_train(records))
+    except ValueError:
+        pass

@@ -12,7 +12,7 @@ import torch
 
 import task
 from bench.gpu import finite
-from bench.gpu_train import summarize_train
+from bench.gpu_train import summarize_train, summarize_what_ran
 from bench.runs import run_summary
 from bench.shared import QWEN_VOCAB, build_model, never_eos_tokenizer
 from helpers import ENV, ROOT
@@ -62,6 +62,27 @@ def test_summarize_train_skips_warm_up_steps_and_tolerates_no_memory_key():
     nan = float("nan")
     inf = float("inf")
     assert finite({"a": [nan, 1.0], "b": inf}) == {"a": [None, 1.0], "b": None}
+
+
+def test_a_train_run_cut_short_reports_the_steps_it_finished(tmp_path):
+    times = dict(time_rollout=1.0, time_reward=0.1, time_update=2.0, time_sync=0.5,
+                 tokens_per_s=100.0)
+    lines = [json.dumps(dict(step=s, **times)) for s in range(1, 5)]
+    metrics = tmp_path / "metrics.jsonl"
+    # killed while writing step 5's line
+    metrics.write_text("\n".join(lines) + '\n{"step": 5, "time_ro')
+
+    section = {}
+    summarize_what_ran(str(metrics), section)
+    assert section["steps_measured"] == "3-4"
+    assert math.isclose(section["time_step"], 3.6)
+
+    # nothing past the warm-up, or no file: nothing reported
+    metrics.write_text("\n".join(lines[:2]))
+    section = {}
+    summarize_what_ran(str(metrics), section)
+    summarize_what_ran(str(tmp_path / "absent.jsonl"), section)
+    assert section == {}
 
 
 def fake_run():
