@@ -38,6 +38,7 @@ import logging
 import math
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -404,6 +405,61 @@ def preallocated_cache(model, prefill_cache, rows, length):
     return cache
 
 
+# the LM head's weight rows per matmul while the HF engine decodes on CPU
+HEAD_TILE_ROWS = 2048
+
+
+@contextmanager
+def tiled_head(model, engine_dtype):
+    """While the HF engine decodes on CPU in fp32: the LM head as weight tiles
+    times the hidden states, W[i : i + HEAD_TILE_ROWS] @ x^T.
+
+    Why: a decode step has few rows (16 in the real recipe) and a head of
+    V x d weights (49,152 x 576 for SmolLM2). MKL runs x @ W^T at that shape
+    well below its rate on tiles of W, each of which it reuses from cache.
+    Each logit is still one d-long dot product: the same bits where MKL sums
+    it in the same order (16 rows and more here), a rounding apart where its
+    kernel for a handful of rows orders it otherwise. Tests:
+    tests/test_decode.py; figures: docs/benchmarks.md ("The real model against
+    TRL, side by side").
+
+    Elsewhere (a GPU, autocast, a head with a bias or sharded by FSDP2, LoRA
+    on the head, a vocabulary of one tile) the head is left as it is.
+    """
+    head = model.get_output_embeddings()
+    plain = (type(head) is torch.nn.Linear and head.bias is None
+             and not isinstance(head.weight, DTensor)
+             and head.weight.device.type == "cpu" and head.weight.dtype == torch.float32
+             and engine_dtype == torch.float32
+             # one tile would be the plain head
+             and len(head.weight) > HEAD_TILE_ROWS)
+    if not plain:
+        yield
+        return
+
+    def forward(x):  # (..., d)
+        # mm(out=) has no backward: the sampler runs without gradients
+        if torch.is_grad_enabled():
+            return torch.nn.Linear.forward(head, x)
+
+        weight = head.weight  # (V, d)
+        rows = x.reshape(-1, x.shape[-1])  # (n, d)
+        logits = x.new_empty(len(weight), len(rows))  # (V, n)
+        for start in range(0, len(weight), HEAD_TILE_ROWS):
+            tile = slice(start, start + HEAD_TILE_ROWS)
+            torch.mm(weight[tile], rows.t(), out=logits[tile])
+        # contiguous, as the sampler's reductions over V expect (and sum in
+        # the same order)
+        return logits.t().contiguous().reshape(*x.shape[:-1], len(weight))  # (..., V)
+
+    # an instance attribute: nn.Module.__call__ finds it before the class's
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward
+
+
 class HFEngine(Engine):
     def __init__(self, model, tokenizer, *, seed=0, dtype="float32"):
         self.model = model
@@ -467,33 +523,34 @@ class HFEngine(Engine):
             done = torch.zeros_like(rows, dtype=torch.bool)  # (N,)
             lengths = torch.zeros_like(rows)  # (N,) tokens up to the first EOS
 
-            # 3) decode one token a step for all N completions
-            for t in itertools.count():
-                # under FSDP2 a rank past its last token steps on
-                if t < max_new_tokens:
-                    scores = process_logits(logits.float(), seen, temperature,
-                                            **filters)  # (N, V)
-                    all_logps = scores.log_softmax(-1)  # (N, V)
-                    if greedy:
-                        token = scores.argmax(-1)
-                    else:
-                        token = draw_tokens(all_logps)
-                    token = token.masked_fill(done, self.pad_id)
-                    tokens.append(token)
-                    logp = all_logps.gather(1, token[:, None])[:, 0]  # (N,)
-                    logps.append(logp)
-                    lengths = lengths + ~done
-                    done = done | torch.isin(token, eos)
-                    if filters.get("repetition_penalty", 1) != 1:
-                        seen = torch.cat([seen, token[:, None]], 1)  # (N, S+1)
+            # 3) decode one token a step for all N completions, the LM head in tiles
+            with tiled_head(model, self.dtype):
+                for t in itertools.count():
+                    # under FSDP2 a rank past its last token steps on
+                    if t < max_new_tokens:
+                        scores = process_logits(logits.float(), seen, temperature,
+                                                **filters)  # (N, V)
+                        all_logps = scores.log_softmax(-1)  # (N, V)
+                        if greedy:
+                            token = scores.argmax(-1)
+                        else:
+                            token = draw_tokens(all_logps)
+                        token = token.masked_fill(done, self.pad_id)
+                        tokens.append(token)
+                        logp = all_logps.gather(1, token[:, None])[:, 0]  # (N,)
+                        logps.append(logp)
+                        lengths = lengths + ~done
+                        done = done | torch.isin(token, eos)
+                        if filters.get("repetition_penalty", 1) != 1:
+                            seen = torch.cat([seen, token[:, None]], 1)  # (N, S+1)
 
-                if agree(t + 1 >= max_new_tokens or bool(done.all())):
-                    break
+                    if agree(t + 1 >= max_new_tokens or bool(done.all())):
+                        break
 
-                full_mask[:, P + t] = 1
-                logits = model(input_ids=token[:, None], attention_mask=full_mask,
-                               past_key_values=cache, position_ids=last + t + 1,
-                               use_cache=True).logits[:, -1]  # (N, V)
+                    full_mask[:, P + t] = 1
+                    logits = model(input_ids=token[:, None], attention_mask=full_mask,
+                                   past_key_values=cache, position_ids=last + t + 1,
+                                   use_cache=True).logits[:, -1]  # (N, V)
         model.train(was_training)
 
         lengths = lengths.tolist()

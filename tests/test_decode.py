@@ -8,17 +8,22 @@
   decoding picks each step's argmax of that forward.
 - draw_tokens (inverse CDF): its frequencies match p, and a token of
   probability 0 is never drawn.
+- tiled_head (rollout.py): the LM head in weight tiles gives the plain head's
+  logits, and the engine the same completions and log-probs.
 
 The model is a tiny Qwen2 with 2 KV heads for 4 query heads (head_dim 32), as
 SmolLM2 and Qwen2.5 group theirs.
 """
+import contextlib
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from helpers import PROMPTS
 from model import completion_logits, load_model, prompt_batch, selective_log_softmax
-from rollout import HFEngine, draw_tokens
+import rollout
+from rollout import HFEngine, draw_tokens, tiled_head
 from task import build_tokenizer
 
 
@@ -136,3 +141,46 @@ def test_draw_tokens_matches_the_distribution():
     shifted = torch.bincount((tokens[:, 0] + 1).clamp(max=5), minlength=6).double()[:5]
     expected = draws * probs[0][:5].double()
     assert ((shifted - expected) ** 2 / expected).sum().item() > 1000
+
+
+def test_tiled_head_gives_the_plain_heads_logits(grouped, monkeypatch):
+    _, policy, _, _ = grouped
+    head = policy.get_output_embeddings()
+    V, d = head.weight.shape
+    # 19 tokens in tiles of 4: the last tile is short
+    monkeypatch.setattr(rollout, "HEAD_TILE_ROWS", 4)
+    assert V % 4 != 0
+    hidden = torch.randn(6, 1, d)  # (N, 1, d) a decode step
+
+    with torch.no_grad():
+        plain = head(hidden)  # (N, 1, V)
+        with tiled_head(policy, torch.float32):
+            assert "forward" in vars(head)
+            tiled = head(hidden)
+        assert "forward" not in vars(head)
+    assert tiled.shape == plain.shape
+    assert (tiled - plain).abs().max() < 1e-6
+
+    # with gradients (never in the sampler), the plain head
+    with tiled_head(policy, torch.float32):
+        head(hidden).sum().backward()
+    assert head.weight.grad is not None
+    policy.zero_grad(set_to_none=True)
+
+    # under autocast the head is left as it is
+    with tiled_head(policy, torch.bfloat16):
+        assert "forward" not in vars(head)
+
+
+def test_tiled_head_keeps_the_engines_samples(grouped, monkeypatch):
+    _, policy, tokenizer, prompt_ids = grouped
+    monkeypatch.setattr(rollout, "HEAD_TILE_ROWS", 4)
+
+    # a new engine each: the same seed for its first call
+    tiled = HFEngine(policy, tokenizer, seed=0).generate(prompt_ids, 3, 24, temperature=0.7)
+    monkeypatch.setattr(rollout, "tiled_head", lambda model, dtype: contextlib.nullcontext())
+    plain = HFEngine(policy, tokenizer, seed=0).generate(prompt_ids, 3, 24, temperature=0.7)
+
+    assert torch.equal(tiled.completion_ids, plain.completion_ids)
+    mask = plain.completion_mask.bool()
+    assert (tiled.sampling_logps - plain.sampling_logps)[mask].abs().max() < 1e-5
