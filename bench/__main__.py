@@ -23,6 +23,7 @@ MODES = {
     "_trl_real": ("trl_real", "trl_run"),
     "real": ("real", "bench_real"),
     "learn": ("learn", "bench_learn"),
+    "decode": ("decode", "bench_decode"),
     # learn: the TRL side, in the subprocesses it starts
     "_trl_learn": ("learn", "trl_learn"),
     "tools_run": ("tools_run", "bench_tools_run"),
