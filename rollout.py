@@ -427,13 +427,13 @@ def tiled_head(model, engine_dtype):
     on the head, a vocabulary of one tile) the head is left as it is.
     """
     head = model.get_output_embeddings()
-    plain = (type(head) is torch.nn.Linear and head.bias is None
-             and not isinstance(head.weight, DTensor)
-             and head.weight.device.type == "cpu" and head.weight.dtype == torch.float32
-             and engine_dtype == torch.float32
-             # one tile would be the plain head
-             and len(head.weight) > HEAD_TILE_ROWS)
-    if not plain:
+    tileable = (type(head) is torch.nn.Linear and head.bias is None
+                and not isinstance(head.weight, DTensor)
+                and head.weight.device.type == "cpu" and head.weight.dtype == torch.float32
+                and engine_dtype == torch.float32
+                # one tile would be the plain head
+                and len(head.weight) > HEAD_TILE_ROWS)
+    if not tileable:
         yield
         return
 

@@ -86,12 +86,12 @@ def product_rates(model, rows, repeats):
     def head_call(_):
         head(hidden)
 
-    @torch.no_grad()
     def tiled(_):
         with tiled_head(model, torch.float32):
             head(hidden)
 
     head_flops = 2 * rows * head.weight.numel()
+    # as the sampler runs (the tiled head is the plain one under autograd)
     with torch.no_grad():
         return dict(
             layers_cold=flops / median_seconds(cold, repeats) / 1e9,

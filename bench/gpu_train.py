@@ -145,6 +145,8 @@ def summarize_what_ran(metrics_path, section):
                 break
 
     try:
-        section.update(summarize_train(records))
+        summary = summarize_train(records)
     except ValueError:
-        pass
+        # no step past the warm-up ones
+        return
+    section.update(summary)
