@@ -46,6 +46,7 @@ from functools import partial
 
 import torch
 from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -318,6 +319,10 @@ def completion_logits(model, prompts, rows, completion_ids, dtype=torch.float32)
                   position_ids=positions[:, :S], past_key_values=prefix, use_cache=True,
                   logits_to_keep=1)
 
+            # the prefix's backward apart from the completions' (backward_apart)
+            if torch.is_grad_enabled() and not isinstance(model, DistributedDataParallel):
+                backward_apart(prefix.layers)
+
             # 2) the cache, gathered to the n completions (a differentiable index)
             cache = replayable_cache(model, ExtendLayer)
             for i, layer in enumerate(prefix.layers):
@@ -340,6 +345,41 @@ def completion_logits(model, prompts, rows, completion_ids, dtype=torch.float32)
         return model(input_ids=input_ids, attention_mask=attention_mask,
                      position_ids=position_ids, past_key_values=cache, use_cache=False,
                      logits_to_keep=T).logits  # (n, T, V)
+
+
+def backward_apart(layers):
+    """Cut the prefix's keys and values out of the completions' graph: each
+    layer's keys and values are swapped for leaves, and once the completions'
+    backward has given all the leaves' gradients, a second backward takes them
+    through the prefix's forward.
+
+    Why: every weight is used twice, by the prefix's forward and by the
+    completions'. In one graph, autograd holds each weight's first gradient
+    until the second arrives, so a whole second set of gradients (the model's
+    size) lives at the backward's peak. Apart, each gradient is added to .grad
+    as soon as it is computed. The sum is the same, to rounding. Not under DDP:
+    its hooks expect one gradient a weight a backward.
+    """
+    prefix_kv = []
+    leaves = []
+    for layer in layers:
+        keys = getattr(layer, "keys", None)
+        if keys is None or not keys.requires_grad:
+            continue
+        prefix_kv += [layer.keys, layer.values]
+        layer.keys = layer.keys.detach().requires_grad_()
+        layer.values = layer.values.detach().requires_grad_()
+        leaves += [layer.keys, layer.values]
+    if not leaves:
+        return
+
+    def backward_prefix(grads):
+        # a leaf the loss does not reach has no gradient
+        reached = [(kv, g) for kv, g in zip(prefix_kv, grads) if g is not None]
+        if reached:
+            torch.autograd.backward([kv for kv, _ in reached], [g for _, g in reached])
+
+    torch.autograd.graph.register_multi_grad_hook(leaves, backward_prefix)
 
 
 # -----------------------------------------------------------------------------

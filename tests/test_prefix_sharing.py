@@ -155,9 +155,48 @@ def test_sliding_window_layers_share_the_prefix_and_refuse_recompute():
     prompt_ids, completion_ids = rollout_like(lengths=(6, 1, 7, 2), T=5)
 
     want = whole_sequence_logits(model, prompt_ids, completion_ids)
+    want.square().sum().backward()
+    want_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    model.zero_grad()
     got = completion_logits(model, prompt_batch(prompt_ids, 0), slice(0, len(prompt_ids)),
                             completion_ids)
+    got.square().sum().backward()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want_grads[k], atol=1e-4, rtol=1e-4, msg=k)
 
     with pytest.raises(ValueError, match="needs full-attention layers"):
         recompute_layers(model)
+
+
+def test_prefix_gradients_reach_grad_apart(tiny):
+    """The prefix's backward runs apart from the completions' (model.backward_apart):
+    each weight's .grad is added to twice, once per forward, instead of autograd
+    holding the first gradient until the second arrives (a second copy of every
+    gradient at the backward's peak). The sum is the whole sequences' gradient."""
+    _, model, _, _ = tiny
+    prompt_ids, completion_ids = rollout_like()
+    weights = torch.randn(len(prompt_ids), completion_ids.shape[1], model.config.vocab_size)
+
+    model.zero_grad()
+    (whole_sequence_logits(model, prompt_ids, completion_ids) * weights).sum().backward()
+    want = {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    model.zero_grad()
+    added = {k: 0 for k, _ in model.named_parameters()}
+    hooks = [p.register_post_accumulate_grad_hook(lambda p, k=k: added.__setitem__(k, added[k] + 1))
+             for k, p in model.named_parameters()]
+    rows = slice(0, len(prompt_ids))
+    logits = completion_logits(model, prompt_batch(prompt_ids, 0), rows, completion_ids)
+    (logits * weights).sum().backward()
+    for h in hooks:
+        h.remove()
+
+    # the keys' and values' weights: once by the completions' backward, once by
+    # the prefix's (the last layer's queries and MLP see no prefix position's loss)
+    kv_weights = [k for k in added if "k_proj" in k or "v_proj" in k]
+    assert kv_weights and all(added[k] == 2 for k in kv_weights), added
+    assert all(1 <= n <= 2 for n in added.values()), added
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[k], atol=1e-4, rtol=1e-4, msg=k)
