@@ -76,8 +76,8 @@ import task
 from advantage import compute_advantages, dynamic_sampling
 from batch import UpdateBatch, high_entropy_mask, policy_entropies, unique_rows
 from common import (barrier, collective_device, ddp, fail, in_background, mark, master,
-                    print0, rank, require, result_everywhere, seed_all, setup, startup_line,
-                    step_line, world)
+                    print0, rank, release_free_memory, require, result_everywhere, seed_all,
+                    setup, startup_line, step_line, world)
 from lora import lora_config
 from loss import LossSettings, choose_impl, policy_loss
 from metrics import step_metrics, token_stats
@@ -566,6 +566,8 @@ def backward_micro(batch, prompts, rows, minibatch_tokens, last, settings):
     loss, metrics = policy_loss(logits, micro_batch, settings, minibatch_size=minibatch,
                                 minibatch_tokens=minibatch_tokens)
     loss.backward()
+    if device.type == "cpu":
+        release_free_memory()
 
     # --adaptive-entropy measures at every step; the loss does only while the bonus is on
     measured = None
@@ -601,6 +603,8 @@ def optimizer_step(step):
 
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if device.type == "cpu":
+        release_free_memory()
     return grad_norm
 
 
