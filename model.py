@@ -409,11 +409,19 @@ def recompute_layers(model):
         raise ValueError("--gradient-checkpointing needs full-attention layers (the "
                          "backward replays each layer's KV cache); this model has "
                          "sliding-window ones")
+    # our own wrapper, not transformers' switch: that one only acts in train
+    # mode, and train.py runs the policy in eval mode (no dropout in the ratio)
     for layer in layers:
-        layer.gradient_checkpointing = True
-        layer._can_checkpoint_with_cache = True
-        layer._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
+        layer.forward = partial(_checkpointed, layer.forward)
     return len(layers)
+
+
+def _checkpointed(forward, *args, **kwargs):
+    """forward(*args, **kwargs), its activations recomputed in backward; a
+    plain call where nothing will be differentiated (old log-probs, rollouts)."""
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def replayable_cache(model, layer_class):

@@ -106,8 +106,11 @@ def saved_bytes(fn):
 @pytest.mark.parametrize("micro, lengths", [(5, (3, 1, 5, 2)), (12, (1, 1, 1, 1))])
 def test_recomputed_layers_give_the_same_logits_and_gradients(tiny, micro, lengths):
     """--gradient-checkpointing: each layer replayed in backward, its cache update
-    repeated (PrefixLayer, ExtendLayer), the same numbers with less saved."""
+    repeated (PrefixLayer, ExtendLayer), the same numbers with less saved. In eval
+    mode, as train.py runs the policy (transformers' own switch acts only in
+    train mode: the flag once did nothing there)."""
     _, model, _, _ = tiny
+    model = copy.deepcopy(model).eval()
     recomputed = copy.deepcopy(model)
     assert recompute_layers(recomputed) == model.config.num_hidden_layers
     prompt_ids, completion_ids = rollout_like(lengths=lengths)
