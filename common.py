@@ -288,7 +288,9 @@ def release_free_memory():
     resident set stays hundreds of MB above the live tensors, and the next
     forward's differently sized blocks do not all fit the holes. malloc_trim(0)
     releases every free page (https://man7.org/linux/man-pages/man3/malloc_trim.3.html);
-    the next use faults them back in, a few ms here. No-op off glibc.
+    the next use faults them back in. A call walks the whole heap (tens of ms in
+    a process that has loaded torch), so train.py calls it only for large models.
+    No-op off glibc.
     """
     if _malloc_trim is not None:
         _malloc_trim(0)

@@ -258,6 +258,9 @@ trained = [p for p in raw_model.parameters() if p.requires_grad]
 # fused: one kernel for all tensors, not a loop of small ops (FSDP2's DTensors: the loop)
 optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
                               fused=not args.fsdp)
+# glibc keeps a CPU backward's freed blocks resident (common.release_free_memory).
+# Handing them back costs tens of ms a step: worth it from hundreds of MB, not on a toy
+release_memory = device.type == "cpu" and sum(p.numel() for p in raw_model.parameters()) >= 25e6
 mark("models")
 
 
@@ -566,7 +569,7 @@ def backward_micro(batch, prompts, rows, minibatch_tokens, last, settings):
     loss, metrics = policy_loss(logits, micro_batch, settings, minibatch_size=minibatch,
                                 minibatch_tokens=minibatch_tokens)
     loss.backward()
-    if device.type == "cpu":
+    if release_memory:
         release_free_memory()
 
     # --adaptive-entropy measures at every step; the loss does only while the bonus is on
@@ -603,7 +606,7 @@ def optimizer_step(step):
 
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    if device.type == "cpu":
+    if release_memory:
         release_free_memory()
     return grad_norm
 
