@@ -312,7 +312,7 @@ def speed_table(args, model, dataset, work, floor, params, head, prompt_len, fla
               f"{rollout_floor:.2f} of its floor), "
               f"update {s['update_s']:.1f} s "
               f"({s['update_vs_compute']:.2f} of the compute floor), peak RSS "
-              f"{rss:.2f} GB, other load {others or 0:.2f} cores", flush=True)
+              f"{rss:.2f} GiB, other load {others or 0:.2f} cores", flush=True)
     return speed
 
 
@@ -433,7 +433,7 @@ def report(records, wall, others, steps, key, speed, floor, params, prompt_len, 
         "",
         "| engine | dtype | threads | step s | rollout s | rollout tok/s "
         "| x bandwidth floor | x compute floor | update s | update tok/s "
-        "| x compute floor | peak RSS GB | other load |",
+        "| x compute floor | peak RSS GiB | other load |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 

@@ -15,9 +15,10 @@ process, so that its peak resident memory is its own.
 
 TRL's settings: its CPU path, transformers' generate (no vLLM server or
 colocate: neither runs on this CPU), gradient_checkpointing=False (TRL defaults
-to True, which recomputes each forward: slower, as ours never does), the rest
-its defaults. train.py: --micro-batch-size 4 (one prompt's group per
-backward: the activations of 4 rows, not 16), each engine.
+to True, which recomputes each forward: slower; train.py recomputes only with
+--gradient-checkpointing, not passed here), the rest its defaults. train.py:
+--micro-batch-size 4 (one prompt's group per backward: the activations of 4
+rows, not 16), each engine. Peak resident memory in GiB (ru_maxrss / 2^20).
 
 Per trainer: the median seconds a step over steps 2.. (step 1 warms up), the
 rollout's and the update's seconds and tokens a second (TRL's rollout is its
@@ -244,6 +245,6 @@ def report(rows, steps, args):
         line("whole step tokens/s", "step_tok_s", ".1f"),
         "| TRL's time / ours | " + " | ".join(
             f"{trl_row['step_s'] / s['step_s']:.2f}x" for s in rows.values()) + " |",
-        line("peak resident memory, GB", "rss_peak_gb", ".2f"),
+        line("peak resident memory, GiB", "rss_peak_gb", ".2f"),
     ]
     return "\n".join(lines) + "\n"
