@@ -417,9 +417,10 @@ def evaluate():
     correct = (sampled >= 1).sum(1)  # (prompts,) of the n
     passes = [sum(pass_at_k(n, int(c), k) for c in correct) for k in eval_k]
 
-    # sums over this rank's prompts, then the count
+    # sums over this rank's prompts, then the count; fp64, so that 475 / 500
+    # is 0.95 and not fp32's 0.94999999 (which missed a >= 0.95 threshold)
     sums = [greedy.sum(), greedy_truncated.sum(), sampled.mean(1).sum(), *passes, len(rows)]
-    totals = torch.tensor(sums, device=device, dtype=torch.float32)
+    totals = torch.tensor(sums, device=device, dtype=torch.float64)
     if ddp:
         dist.all_reduce(totals)
 
