@@ -31,6 +31,10 @@ Simplifications:
    the new tokens: train.py says), a quarter more for the prefix cache, capped at
    gpu_memory_utilization of RAM. vLLM allocates and zeroes all of it at
    start-up. It runs eagerly what vLLM's sampler compiles.
+8. On CPU, VLLMEngine.sleep() frees the engine's copy of the weights and its
+   KV cache from the rollout to the next sync_weights, which refills both:
+   nothing reads them during the update, whose peak they would add to. It
+   needs a sync that sends every layer (not LoRA's).
 """
 import gc
 import itertools
@@ -189,6 +193,9 @@ class Engine:
         lists = [[x for x in xs[start:stop] for _ in range(G // n)] for xs in lists]
         return build_rollout(prompt_ids, G, *lists, self.pad_id, self.tokenizer)
 
+    def sleep(self):
+        """Free what the engine holds until the next sync_weights, if it can."""
+
     def state_dict(self):
         return dict(calls=self.calls)
 
@@ -251,6 +258,7 @@ class VLLMEngine(Engine):
 
         # start-up on CPU: simplification 7
         self.kv_cache_bytes = None
+        self.asleep = False  # simplification 8
         # vLLM schedules at most its max_num_seqs (256 by default) at once
         self.kv_rows = min(max_rows or VLLM_MAX_NUM_SEQS,
                            llm_kwargs.get("max_num_seqs", VLLM_MAX_NUM_SEQS))
@@ -329,6 +337,8 @@ class VLLMEngine(Engine):
                top_k=0, min_p=0.0, repetition_penalty=1.0):
         from vllm import SamplingParams, TokensPrompt
 
+        if self.asleep:
+            raise RuntimeError("VLLMEngine.sample while asleep: sync_weights wakes it")
         params = SamplingParams(n=n, max_tokens=max_new_tokens, temperature=temperature,
                                 top_p=top_p, min_p=min_p, top_k=max(top_k or 0, 0),
                                 repetition_penalty=repetition_penalty, logprobs=0,
@@ -356,14 +366,83 @@ class VLLMEngine(Engine):
             reload = dict(weights_iterator=weights, is_checkpoint_format=True)
             self.llm.collective_rpc("reload_weights", kwargs=reload)
 
+        if self.asleep:
+            missing = sum(self.llm.collective_rpc(_layers_asleep), [])
+            if missing:
+                raise RuntimeError(f"VLLMEngine.sleep() freed layers this sync did not "
+                                   f"send ({', '.join(missing[:3])}, ...): sleep needs a "
+                                   f"sync of every layer, not LoRA's")
+            # after the reload, whose layers pass through unpacked copies
+            self.llm.collective_rpc(_restore_kv_cache)
+            self.asleep = False
+
         self.llm.reset_prefix_cache()  # its KV entries came from the old weights
         return dict(seconds=time.perf_counter() - start, bytes=counter["bytes"])
+
+    def sleep(self):
+        """Free the weights and the KV cache until the next sync_weights (CPU only).
+
+        vLLM's CPU linear layers hold their own packed copies of the weights
+        (oneDNN), and the KV cache is one zeroed buffer: 0.8 GiB of a
+        SmolLM2-135M run, idle from the rollout to the sync after the update.
+        The layers' packed copies are dropped, and the buffer's storage is
+        resized to 0 with its views kept (FSDP's way of freeing a parameter).
+        sync_weights then repacks every layer it sends (reload_weights), and
+        gives the buffer back zeroed, as vLLM starts it (simplification 8).
+
+        A no-op on GPU (vLLM's own sleep mode needs enable_sleep_mode at start)
+        and for tensor-parallel shards, whose reload refills only some layers.
+        """
+        if self.kv_cache_bytes is None or self.tp_group is not None or self.asleep:
+            return
+        self.llm.collective_rpc(_free_weights_and_kv_cache)
+        self.asleep = True
 
     def close(self):
         if getattr(self, "llm", None) is not None:
             # the default group too: simplification 6
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
+
+
+def _asleep(*args, **kwargs):
+    raise RuntimeError("this vLLM layer is asleep: VLLMEngine.sync_weights refills it")
+
+
+def _free_weights_and_kv_cache(worker):
+    """VLLMEngine.sleep, inside vLLM's worker."""
+    runner = worker.model_runner
+
+    # each linear layer's cpu_linear holds its packed weight
+    for module in runner.get_model().modules():
+        if hasattr(module, "cpu_linear"):
+            module.cpu_linear = _asleep
+
+    # every layer's KV cache is a view of one buffer (vLLM's allocate_kv_cache):
+    # find the storages first, since a freed one's data_ptr is 0
+    storages = {}
+    for kv in runner.kv_caches:
+        storages.setdefault(kv.untyped_storage().data_ptr(), kv)
+    worker.tinygrpo_kv_sizes = [(kv, kv.untyped_storage().nbytes())
+                                for kv in storages.values()]
+    for kv, _ in worker.tinygrpo_kv_sizes:
+        kv.untyped_storage().resize_(0)
+
+
+def _restore_kv_cache(worker):
+    """The KV buffer back at its size, zeroed as vLLM allocates it."""
+    for kv, nbytes in worker.tinygrpo_kv_sizes:
+        storage = kv.untyped_storage()
+        storage.resize_(nbytes)
+        storage.fill_(0)
+    worker.tinygrpo_kv_sizes = []
+
+
+def _layers_asleep(worker):
+    """The names of the layers the last reload did not repack."""
+    model = worker.model_runner.get_model()
+    return [name for name, module in model.named_modules()
+            if getattr(module, "cpu_linear", None) is _asleep]
 
 
 def most_on_any_rank(value, device):

@@ -283,6 +283,9 @@ class ToolEngine:
     def sync_weights(self, model, **kwargs):
         return self.engine.sync_weights(model, **kwargs)
 
+    def sleep(self):
+        self.engine.sleep()
+
     def close(self):
         self.engine.close()
 

@@ -129,6 +129,48 @@ def test_vllm_sync_parity(tiny, vllm_engine, temperature, seed):
                         f"at T={temperature}")
 
 
+def kv_cache_bytes(engine):
+    """The bytes behind each of the engine's KV cache views."""
+    runners = engine.llm.collective_rpc(lambda worker: worker.model_runner)
+    return [kv.untyped_storage().nbytes() for kv in runners[0].kv_caches]
+
+
+def test_sleep_frees_until_the_sync(tiny, vllm_engine):
+    """sleep() drops the engine's packed weights and empties its KV buffer.
+
+    The next sync refills both: a sample after sleep and sync equals the one
+    before, from the same stream and weights. Sampling while asleep is refused,
+    and so is a sync that leaves a layer asleep (as LoRA's would).
+    """
+    from rollout import _layers_asleep
+
+    _, model, _, prompts = tiny
+    vllm_engine.sync_weights(model)
+    before = vllm_engine.sample(prompts, 4, MAX_NEW, rng_seed=11, temperature=1.0)
+    assert min(kv_cache_bytes(vllm_engine)) > 0
+
+    vllm_engine.sleep()
+    assert max(kv_cache_bytes(vllm_engine)) == 0
+    assert len(vllm_engine.llm.collective_rpc(_layers_asleep)[0]) > 0
+    with pytest.raises(RuntimeError, match="asleep"):
+        vllm_engine.sample(prompts, 4, MAX_NEW, rng_seed=11)
+
+    # only the embedding: every other layer stays asleep
+    partial = torch.nn.Module()
+    partial.model = torch.nn.Module()
+    partial.model.embed_tokens = model.model.embed_tokens
+    with pytest.raises(RuntimeError, match="did not send"):
+        vllm_engine.sync_weights(partial)
+
+    vllm_engine.sync_weights(model)
+    assert min(kv_cache_bytes(vllm_engine)) > 0
+    assert vllm_engine.llm.collective_rpc(_layers_asleep)[0] == []
+    after = vllm_engine.sample(prompts, 4, MAX_NEW, rng_seed=11, temperature=1.0)
+    assert after[0] == before[0]
+    flat = [sum(logps, []) for logps in (before[1], after[1])]
+    assert flat[1] == pytest.approx(flat[0], abs=1e-6)
+
+
 def test_sync_ddp_wrapped(tiny, vllm_engine):
     """A DDP-wrapped model (parameters named 'module.*') syncs like the bare one.
 
