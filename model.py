@@ -374,12 +374,19 @@ def backward_apart(layers):
         return
 
     def backward_prefix(grads):
+        # the hook's closure holds the leaves' AccumulateGrad nodes, which hold
+        # the leaves, which hold the hook: a cycle through C++ that Python's gc
+        # cannot see, and with it the prefix's graph. Unhooked once this
+        # backward is done (not inside the hook, which the engine is running)
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(handle.remove)
+
         # a leaf the loss does not reach has no gradient
         reached = [(kv, g) for kv, g in zip(prefix_kv, grads) if g is not None]
         if reached:
             torch.autograd.backward([kv for kv, _ in reached], [g for _, g in reached])
 
-    torch.autograd.graph.register_multi_grad_hook(leaves, backward_prefix)
+    handle = torch.autograd.graph.register_multi_grad_hook(leaves, backward_prefix)
 
 
 # -----------------------------------------------------------------------------

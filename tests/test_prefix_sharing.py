@@ -203,3 +203,35 @@ def test_prefix_gradients_reach_grad_apart(tiny):
     assert all(1 <= n <= 2 for n in added.values()), added
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[k], atol=1e-4, rtol=1e-4, msg=k)
+
+
+def test_the_prefix_graph_is_freed_after_its_backward(tiny, monkeypatch):
+    """backward_apart's hook must not keep the prefix's graph alive: its closure
+    holds the leaves' AccumulateGrad nodes, which hold the hook, a cycle that
+    Python's gc cannot collect. Uncut, every micro-batch leaked its prefix's
+    activations (45 MB a step of SmolLM2-135M)."""
+    import gc
+    import weakref
+
+    import model as model_module
+
+    # the prefix's keys, as backward_apart gets them (its closure keeps them)
+    keys = []
+    backward_apart = model_module.backward_apart
+
+    def spy(layers):
+        keys.extend(weakref.ref(layer.keys) for layer in layers)
+        backward_apart(layers)
+
+    monkeypatch.setattr(model_module, "backward_apart", spy)
+    _, model, _, _ = tiny
+    prompt_ids, completion_ids = rollout_like()
+
+    rows = slice(0, len(prompt_ids))
+    logits = completion_logits(model, prompt_batch(prompt_ids, 0), rows, completion_ids)
+    logits.square().mean().backward()
+    del logits
+    gc.collect()
+
+    assert keys
+    assert all(ref() is None for ref in keys)
