@@ -307,6 +307,8 @@ class VLLMEngine(Engine):
 
         self.tokenizer = self.llm.get_tokenizer()
         self.pad_id = pad_id(self.tokenizer)
+        if self.kv_cache_bytes is not None:
+            self.llm.collective_rpc(_drop_lookup_packing)
 
     def _join_ranks(self, distributed, tensor_parallel_size, llm_kwargs):
         """Under torchrun: one engine per rank, or per tensor-parallel group of ranks.
@@ -365,6 +367,8 @@ class VLLMEngine(Engine):
         with torch.no_grad():
             reload = dict(weights_iterator=weights, is_checkpoint_format=True)
             self.llm.collective_rpc("reload_weights", kwargs=reload)
+        if self.kv_cache_bytes is not None:  # the reload packed it again
+            self.llm.collective_rpc(_drop_lookup_packing)
 
         if self.asleep:
             missing = sum(self.llm.collective_rpc(_layers_asleep), [])
@@ -403,6 +407,27 @@ class VLLMEngine(Engine):
             # the default group too: simplification 6
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
+
+
+def _lookup_only(*args, **kwargs):
+    raise RuntimeError("an input embedding only looks rows up: its packed copy was dropped")
+
+
+def _drop_lookup_packing(worker):
+    """Free the packed copy vLLM 0.32 makes of an input embedding on CPU.
+
+    Every VocabParallelEmbedding gets one for a matmul (dispatch_cpu_unquantized_gemm),
+    but only the LM head (a ParallelLMHead, the same weight when tied) multiplies:
+    the input embedding looks rows up. 113 MB for SmolLM2-135M.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead, VocabParallelEmbedding)
+
+    for module in worker.model_runner.get_model().modules():
+        lookup = isinstance(module, VocabParallelEmbedding)
+        lookup = lookup and not isinstance(module, ParallelLMHead)
+        if lookup and hasattr(module, "cpu_linear"):
+            module.cpu_linear = _lookup_only
 
 
 def _asleep(*args, **kwargs):

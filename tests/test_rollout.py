@@ -171,6 +171,23 @@ def test_sleep_frees_until_the_sync(tiny, vllm_engine):
     assert flat[1] == pytest.approx(flat[0], abs=1e-6)
 
 
+def test_the_input_embedding_keeps_no_packed_copy(tiny, vllm_engine):
+    """On CPU the input embedding's packed copy is dropped, at start and after
+    each sync; the LM head keeps its own (the parity tests sample through it)."""
+    from rollout import _lookup_only
+
+    def packed(worker):
+        return {name: getattr(module, "cpu_linear", None) is not _lookup_only
+                for name, module in worker.model_runner.get_model().named_modules()
+                if name in ("model.embed_tokens", "lm_head")}
+
+    assert vllm_engine.llm.collective_rpc(packed)[0] == {"model.embed_tokens": False,
+                                                           "lm_head": True}
+    vllm_engine.sync_weights(tiny[1])
+    assert vllm_engine.llm.collective_rpc(packed)[0] == {"model.embed_tokens": False,
+                                                           "lm_head": True}
+
+
 def test_sync_ddp_wrapped(tiny, vllm_engine):
     """A DDP-wrapped model (parameters named 'module.*') syncs like the bare one.
 
