@@ -205,6 +205,40 @@ def test_prefix_gradients_reach_grad_apart(tiny):
         torch.testing.assert_close(p.grad, want[k], atol=1e-4, rtol=1e-4, msg=k)
 
 
+def test_a_tied_head_gradient_reaches_grad_at_once(tiny):
+    """The tied LM head's gradient is added to .grad as soon as it is computed
+    (model.tied_head_apart), so it is there before any embedding backward runs:
+    in one graph autograd would hold it in a buffer to the end. The sum is the
+    whole sequences' gradient."""
+    _, model, _, _ = tiny
+    embedding = model.get_input_embeddings()
+    assert model.get_output_embeddings().weight is embedding.weight
+    prompt_ids, completion_ids = rollout_like()
+    weights = torch.randn(len(prompt_ids), completion_ids.shape[1], model.config.vocab_size)
+
+    model.zero_grad()
+    (whole_sequence_logits(model, prompt_ids, completion_ids) * weights).sum().backward()
+    want = {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    # at each embedding backward: is the weight's .grad already there?
+    seen = []
+
+    def watch(module, inputs, output):
+        output.register_hook(lambda grad: seen.append(module.weight.grad is not None))
+
+    model.zero_grad()
+    hook = embedding.register_forward_hook(watch)
+    rows = slice(0, len(prompt_ids))
+    logits = completion_logits(model, prompt_batch(prompt_ids, 0), rows, completion_ids)
+    (logits * weights).sum().backward()
+    hook.remove()
+
+    # the prefix's lookup and the completions'
+    assert seen == [True, True]
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[k], atol=1e-4, rtol=1e-4, msg=k)
+
+
 def test_the_prefix_graph_is_freed_after_its_backward(tiny, monkeypatch):
     """backward_apart's hook must not keep the prefix's graph alive: its closure
     holds the leaves' AccumulateGrad nodes, which hold the hook, a cycle that
