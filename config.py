@@ -147,6 +147,9 @@ add("--vllm-tp", type=int_, default=1,
     help="colocated vLLM: tensor-parallel over this many ranks")
 add("--vllm-mode", default="colocate", choices=["colocate", "server"],
     help="server: see --vllm-url")
+add("--vllm-sleep", action="store_true",
+    help="colocated vLLM on CPU: free its weights and KV cache from each rollout to "
+    "the next sync (less memory at the update's peak, a little more time a step)")
 add("--vllm-url", default=None,
     help="server mode: http://HOST:PORT of `python server.py`")
 add("--async", dest="async_", action="store_true",
@@ -387,6 +390,9 @@ DEPENDS_ON = {
     "vllm_memory": (lambda a: a.vllm_mode == "colocate" and a.engine != "hf",
                     "the colocated vLLM engine (drop --engine hf and --vllm-mode "
                     "server)"),
+    "vllm_sleep": (lambda a: a.vllm_mode == "colocate" and a.engine != "hf",
+                   "the colocated vLLM engine (drop --engine hf and --vllm-mode "
+                   "server)"),
     "dataset_config": (lambda a: a.dataset is not None, "--dataset"),
     "split": (lambda a: a.dataset is not None, "--dataset"),
     "eval_split": (lambda a: a.dataset is not None, "--dataset"),
@@ -490,6 +496,12 @@ def check_flags(args):
          "--async overlaps a rollout server's generation with the update: add "
          "--vllm-mode server --vllm-url http://HOST:PORT (a colocated engine "
          "shares the trainer's device)"),
+        (not (args.vllm_sleep and args.lora_rank),
+         "--vllm-sleep needs a sync of every layer, and LoRA's sends the adapted "
+         "ones: drop one of them"),
+        (not (args.vllm_sleep and args.vllm_tp > 1),
+         "--vllm-sleep frees one engine's layers, not a tensor-parallel shard's: "
+         "drop one of --vllm-sleep and --vllm-tp"),
         (world % args.vllm_tp == 0,
          f"--vllm-tp {args.vllm_tp} must divide the {world} ranks"),
         (args.vllm_tp == 1 or (args.engine != "hf" and args.vllm_mode == "colocate"),

@@ -31,10 +31,10 @@ Simplifications:
    the new tokens: train.py says), a quarter more for the prefix cache, capped at
    gpu_memory_utilization of RAM. vLLM allocates and zeroes all of it at
    start-up. It runs eagerly what vLLM's sampler compiles.
-8. On CPU, VLLMEngine.sleep() frees the engine's copy of the weights and its
-   KV cache from the rollout to the next sync_weights, which refills both:
-   nothing reads them during the update, whose peak they would add to. It
-   needs a sync that sends every layer (not LoRA's).
+8. On CPU, VLLMEngine.sleep() (train.py --vllm-sleep) frees the engine's copy
+   of the weights and its KV cache from the rollout to the next sync_weights,
+   which refills both: nothing reads them during the update, whose peak they
+   would add to. It needs a sync that sends every layer (not LoRA's).
 """
 import gc
 import itertools

@@ -313,10 +313,6 @@ def render_observation(row, observation):
     return data.encode_prompts(tokenizer, texts, chat)[0]
 
 
-# the engine may free its weights from a rollout to the next sync when that sync
-# sends every layer: LoRA's sends the adapted ones (rollout.py, simplification 8)
-sleep_engine = not args.lora_rank
-
 # tools: the multi-turn loop (tools.py)
 engine = with_tools(engine, tokenizer, specs, fence, max_calls=args.max_tool_calls,
                     output_tokens=args.tool_output_tokens, timeout_s=args.tool_timeout,
@@ -695,9 +691,9 @@ for step in bar:
 
     # 3) mu passes of minibatch updates, micro-batch by micro-batch
     t0 = time.time()
-    # vLLM on CPU: its weights and KV cache idle until the sync, so they leave
-    # room for the update. Not while --async samples the next batch
-    if sleep_engine and ahead is None:
+    # --vllm-sleep: the engine's weights and KV cache idle until the sync, so
+    # they leave room for the update (rollout.py, simplification 8)
+    if args.vllm_sleep:
         engine.sleep()
     # (B, P) x3 and (N,): the distinct prompts, left-padded (model.prompt_batch)
     prompts = [x.to(device) for x in prompt_batch(rollout.prompt_ids, pad_id(tokenizer))]

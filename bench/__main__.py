@@ -76,9 +76,10 @@ def parse_args():
         help="trl: held-out evaluation every N steps, both trainers")
     add("--real", action="store_true",
         help="trl: side by side on SmolLM2-135M-Instruct (bench/trl_real.py)")
-    add("--recompute", action="store_true",
-        help="trl --real: both trainers recompute activations in the backward "
-        "(TRL's gradient_checkpointing, its default; train.py --gradient-checkpointing)")
+    add("--low-memory", action="store_true",
+        help="trl --real: both trainers recompute activations in the backward (TRL's "
+        "gradient_checkpointing, its default; train.py --gradient-checkpointing), and "
+        "train.py's vLLM engine sleeps during the update (--vllm-sleep)")
 
     # learn mode
     add("--no-trl", action="store_true", help="learn: train.py's runs only")

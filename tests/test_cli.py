@@ -172,6 +172,8 @@ RULE_CASES = {
     "eval_k > eval_samples":
         (["--eval-samples", "4", "--eval-k", "1", "8"],
          "--eval-k 1 8: each k must be <= --eval-samples 4"),
+    "vllm sleep with LoRA":
+        (["--vllm-sleep", "--lora-rank", "8"], "--vllm-sleep needs a sync of every layer"),
     "overlong buffer > max new tokens":
         (["--max-new-tokens", "8", "--overlong-buffer", "9"],
          "--overlong-buffer 9 is longer than --max-new-tokens 8"),

@@ -86,6 +86,11 @@ def test_vllm_engine(tmp_path):
     assert "VLLMEngine" in out
     assert [r["step"] for r in records] == [0, 1, 2, 3] and records[-1]["time_sync"] > 0
 
+    # --vllm-sleep frees the engine during each update and the sync refills it:
+    # the same samples, so the same run
+    _, _, slept = run_train(FAST + flags + ["--vllm-sleep"], tmp_path / "sleep")
+    assert without_timings(slept) == without_timings(records)
+
 
 def test_triton_loss_matches_torch_loss(tmp_path):
     """--loss-impl triton (the kernel, here under TRITON_INTERPRET=1) trains like
