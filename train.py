@@ -744,8 +744,9 @@ for step in bar:
         t0 = time.time()
         ahead = result_everywhere(ahead)
         times["wait"] = time.time() - t0  # how long the trainer waited for the next batch
-    times["sync"] = engine.sync_weights(model)["seconds"]
-    if release_memory:
+    synced = engine.sync_weights(model)
+    times["sync"] = synced["seconds"]
+    if release_memory and synced["bytes"]:
         release_free_memory()  # vLLM's reload passes each layer through a copy
 
     # 5) log one JSON record per step (rank 0); evaluate and checkpoint on schedule
