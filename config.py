@@ -199,7 +199,8 @@ add("--num-iterations", type=int_, default=1, help="mu: passes over each rollout
 add("--minibatch-size", type=number(int, 0), default=0,
     help="completions per optimizer step per rank (0: all)")
 add("--micro-batch-size", type=number(int, 0), default=0,
-    help="completions per forward/backward (0: minibatch)")
+    help="completions per forward/backward (0: the minibatch; on the CPU, at most "
+         "as many as keep the (n, --max-new-tokens, V) logits within 2^25 numbers)")
 add("--gradient-checkpointing", action="store_true",
     help="recompute each decoder layer's activations in backward: less memory, "
          "about a third more update compute (TRL's gradient_checkpointing)")

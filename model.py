@@ -12,6 +12,7 @@ the forward that turns a rollout into the logits and log-probs the loss needs.
     kept_tokens(scores, ...)       the tokens top-k / top-p / min-p keep (both engines)
     truncate_logits(logits, ids, ...)  the sampler's support replayed on the trainer's logits
     sequence_logps(model, ...)     (N, T) log-probs of the completions, by micro-batch
+    auto_micro_batch(...)          completions per forward when --micro-batch-size is 0
 
 Mixed precision, as PyTorch users expect: the policy's weights, gradients and
 AdamW states are fp32, and only the compute runs in --dtype (torch.autocast).
@@ -517,6 +518,27 @@ class ExtendLayer(_HeldLayer, DynamicLayer):
 # log-probs and entropies from logits, a chunk of rows at a time
 # fp32 elements per row chunk (256 MiB): bounds the transient upcast copy
 CHUNK_ELEMENTS = 2**26
+
+# the most logits one forward of the update makes on the CPU: 2^25 fp32
+# numbers (128 MiB), auto_micro_batch
+MICRO_BATCH_LOGITS = 2**25
+
+
+def auto_micro_batch(minibatch, max_new_tokens, vocab_size, device):
+    """Completions per forward and backward for --micro-batch-size 0.
+
+    On a GPU: the whole minibatch. On the CPU: the largest divisor of the
+    minibatch whose (n, max_new_tokens, vocab_size) logits stay within
+    MICRO_BATCH_LOGITS numbers, at least 1. Why: there the update of a real
+    vocabulary's logits is bound by their memory traffic, and a whole minibatch
+    of them is both slower and far larger than a few rows at a time
+    (docs/benchmarks.md, "The micro-batch on the CPU"). A small vocabulary (the
+    default toy) keeps the whole minibatch.
+    """
+    if torch.device(device).type != "cpu":
+        return minibatch
+    fits = max(1, MICRO_BATCH_LOGITS // (max_new_tokens * vocab_size))
+    return max(n for n in range(1, min(fits, minibatch) + 1) if minibatch % n == 0)
 
 
 def _upcast(rows, temperature):

@@ -81,9 +81,9 @@ from common import (barrier, collective_device, ddp, fail, in_background, mark, 
 from lora import lora_config
 from loss import LossSettings, choose_impl, policy_loss
 from metrics import step_metrics, token_stats
-from model import (completion_logits, entropy_from_logits, load_model, load_reference,
-                   load_tokenizer, pad_id, prompt_batch, sequence_logps, truncate_logits,
-                   wrap_ddp)
+from model import (MICRO_BATCH_LOGITS, auto_micro_batch, completion_logits,
+                   entropy_from_logits, load_model, load_reference, load_tokenizer, pad_id,
+                   prompt_batch, sequence_logps, truncate_logits, wrap_ddp)
 from reduction import kept_mask, minibatch_tokens, row_weights
 from reward import (
     environment_reward_func,
@@ -113,7 +113,6 @@ builtin_task = args.dataset is None
 tiny = args.model is None
 n_local = args.prompts_per_step // world * args.G  # completions per rank per step
 minibatch = args.minibatch_size or n_local  # completions per optimizer step
-micro = args.micro_batch_size or minibatch  # completions per forward/backward
 ckpt_root = os.path.join(args.out_dir, "checkpoints")
 # the process group first: the out-dir lock's verdict reaches every rank
 device, dtype = setup(args.threads, args.dtype)
@@ -253,6 +252,11 @@ if args.beta > 0:  # simplification 3
 model = raw_model  # what the forwards call: DDP's wrapper, or FSDP2's sharded model
 if ddp and not args.fsdp:
     model = wrap_ddp(raw_model, device)
+# completions per forward/backward; 0: the minibatch, a few rows of a real
+# vocabulary's logits on the CPU (model.auto_micro_batch)
+vocab_size = raw_model.get_output_embeddings().weight.shape[0]
+micro = args.micro_batch_size or auto_micro_batch(minibatch, args.max_new_tokens,
+                                                  vocab_size, device)
 # LoRA: the adapters only
 trained = [p for p in raw_model.parameters() if p.requires_grad]
 # fused: one kernel for all tensors, not a loop of small ops (FSDP2's DTensors: the loop)
@@ -349,6 +353,10 @@ print0(f"engine {type(engine).__name__} ({engine_why}), {world} rank(s) x "
        f"{torch.get_num_threads()} thread(s), device {device}, "
        f"loss {loss_impl} ({loss_why}), {n_params:.2f}M params "
        f"({n_trained:.3g}M trained), {len(train_rows)} train prompts")
+if micro < minibatch and not args.micro_batch_size:
+    print0(f"micro-batch {micro} of the minibatch's {minibatch} completions (auto: on the "
+           f"CPU, logits of at most {MICRO_BATCH_LOGITS:,} numbers a forward; "
+           f"--micro-batch-size sets it)")
 # vLLM on CPU: the KV cache sized to the work (rollout.py, simplification 7)
 inner = getattr(engine, "engine", engine)
 kv_bytes = getattr(inner, "kv_cache_bytes", None)

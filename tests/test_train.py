@@ -184,6 +184,23 @@ def test_logged_loss_is_the_minibatch_loss_whatever_the_micro_batch(loss_type, t
         assert max(values) - min(values) <= 1e-5 * max(1.0, abs(values[0])), (key, values)
 
 
+@pytest.mark.parametrize("minibatch, tokens, vocab, device, want", [
+    (32, 64, 49152, "cpu", 8),  # SmolLM2's vocabulary: 8 x 64 x 49,152 <= 2^25
+    (12, 64, 49152, "cpu", 6),  # the largest divisor within the bound
+    (7, 64, 49152, "cpu", 7),
+    (16, 512, 151936, "cpu", 1),  # Qwen's: one row is past the bound, still 1
+    (32, 64, 19, "cpu", 32),  # the toy keeps its minibatch
+    (32, 64, 49152, "cuda", 32),  # a GPU keeps it too
+])
+def test_auto_micro_batch(minibatch, tokens, vocab, device, want):
+    """--micro-batch-size 0: the minibatch, cut on the CPU to its largest
+    divisor whose logits fit in MICRO_BATCH_LOGITS numbers."""
+    from model import auto_micro_batch
+
+    micro = auto_micro_batch(minibatch, tokens, vocab, torch.device(device))
+    assert micro == want
+
+
 def test_identical_completions_train_as_one_weighed_row(tmp_path):
     """With one forward a step, the update trains one row of each set of
     identical completions, weighed by its count (batch.unique_rows).
