@@ -383,17 +383,20 @@ def uses_tools(args):
     return args.tools is not None or args.environment is not None
 
 
+def colocated_vllm(args):
+    return args.vllm_mode == "colocate" and args.engine != "hf"
+
+
+COLOCATED_VLLM = "the colocated vLLM engine (drop --engine hf and --vllm-mode server)"
+
+
 DEPENDS_ON = {
     "lora_alpha": (lambda a: a.lora_rank > 0, "--lora-rank R"),
     "lora_dropout": (lambda a: a.lora_rank > 0, "--lora-rank R"),
     "lora_targets": (lambda a: a.lora_rank > 0, "--lora-rank R"),
     "vllm_url": (lambda a: a.vllm_mode == "server", "--vllm-mode server"),
-    "vllm_memory": (lambda a: a.vllm_mode == "colocate" and a.engine != "hf",
-                    "the colocated vLLM engine (drop --engine hf and --vllm-mode "
-                    "server)"),
-    "vllm_sleep": (lambda a: a.vllm_mode == "colocate" and a.engine != "hf",
-                   "the colocated vLLM engine (drop --engine hf and --vllm-mode "
-                   "server)"),
+    "vllm_memory": (colocated_vllm, COLOCATED_VLLM),
+    "vllm_sleep": (colocated_vllm, COLOCATED_VLLM),
     "dataset_config": (lambda a: a.dataset is not None, "--dataset"),
     "split": (lambda a: a.dataset is not None, "--dataset"),
     "eval_split": (lambda a: a.dataset is not None, "--dataset"),

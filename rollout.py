@@ -257,12 +257,13 @@ class VLLMEngine(Engine):
             dtype = config.dtype or torch.float32
 
         # start-up on CPU: simplification 7
+        self.on_cpu = not torch.cuda.is_available()
         self.kv_cache_bytes = None
         self.asleep = False  # simplification 8
         # vLLM schedules at most its max_num_seqs (256 by default) at once
         self.kv_rows = min(max_rows or VLLM_MAX_NUM_SEQS,
                            llm_kwargs.get("max_num_seqs", VLLM_MAX_NUM_SEQS))
-        if not torch.cuda.is_available():
+        if self.on_cpu:
             kv_bytes = cpu_kv_cache_bytes(config, max_model_len, dtype,
                                           gpu_memory_utilization,
                                           max_num_seqs=self.kv_rows,
@@ -285,7 +286,7 @@ class VLLMEngine(Engine):
 
         self._join_ranks(distributed, tensor_parallel_size, llm_kwargs)
         # faster start-up
-        llm_kwargs.setdefault("enforce_eager", not torch.cuda.is_available())
+        llm_kwargs.setdefault("enforce_eager", self.on_cpu)
         llm_kwargs.setdefault("use_tqdm_on_load", False)
         self.seed = seed
 
@@ -307,7 +308,7 @@ class VLLMEngine(Engine):
 
         self.tokenizer = self.llm.get_tokenizer()
         self.pad_id = pad_id(self.tokenizer)
-        if self.kv_cache_bytes is not None:
+        if self.on_cpu:
             self.llm.collective_rpc(_drop_lookup_packing)
 
     def _join_ranks(self, distributed, tensor_parallel_size, llm_kwargs):
@@ -367,7 +368,7 @@ class VLLMEngine(Engine):
         with torch.no_grad():
             reload = dict(weights_iterator=weights, is_checkpoint_format=True)
             self.llm.collective_rpc("reload_weights", kwargs=reload)
-        if self.kv_cache_bytes is not None:  # the reload packed it again
+        if self.on_cpu:  # the reload packed it again
             self.llm.collective_rpc(_drop_lookup_packing)
 
         if self.asleep:
@@ -397,7 +398,7 @@ class VLLMEngine(Engine):
         A no-op on GPU (vLLM's own sleep mode needs enable_sleep_mode at start)
         and for tensor-parallel shards, whose reload refills only some layers.
         """
-        if self.kv_cache_bytes is None or self.tp_group is not None or self.asleep:
+        if not self.on_cpu or self.tp_group is not None or self.asleep:
             return
         self.llm.collective_rpc(_free_weights_and_kv_cache)
         self.asleep = True
