@@ -449,11 +449,14 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, settings, *, entrop
 # -----------------------------------------------------------------------------
 # A micro-batch, from logits: the one entry point train.py calls
 
-def policy_loss(logits, batch, settings, *, minibatch_size, minibatch_tokens):
+def policy_loss(logits, batch, settings, *, minibatch_size, minibatch_tokens, logps=None):
     """A micro-batch's share of the minibatch loss -> (loss, metrics).
 
     logits (n, T, V) predict batch.completion_ids (n, T); batch is the
-    micro-batch's rows (batch.UpdateBatch). minibatch_size: the minibatch's
+    micro-batch's rows (batch.UpdateBatch). Or logits is None and logps (n, T)
+    are the current log-probs, computed by the caller (train.py's fused LM
+    head on the CPU, model.completion_logps): then the loss can need nothing
+    else (the torch path, no entropy bonus). minibatch_size: the minibatch's
     sequences on this rank; minibatch_tokens: minibatch_tokens(its mask,
     truncated). The loss is for .backward(); the metrics are floats named the
     same whichever path ran: _stats's, each knob's (policy_weight), "loss" (this
@@ -466,13 +469,16 @@ def policy_loss(logits, batch, settings, *, minibatch_size, minibatch_tokens):
     counted = mask * row_weights(batch.counts)  # (n, T): each row as often as it stands for
 
     # 1) the current log-probs; the kernel computes its own
+    if logits is None and (s.impl != "torch" or s.entropy_coef):
+        raise ValueError("policy_loss: log-probs alone serve the torch path without "
+                         "an entropy bonus; pass the logits")
     entropies = None
     if s.entropy_coef:
         entropies = entropy_from_logits(logits, s.temperature)  # (n, T)
-    logps = None
     current = None  # constant: the off-policy mask's, and the IS ratio's on-policy
     if s.impl == "torch":
-        logps = selective_log_softmax(logits, ids, s.temperature)  # (n, T)
+        if logps is None:
+            logps = selective_log_softmax(logits, ids, s.temperature)  # (n, T)
         current = logps.detach()
     on_policy = batch.old_logps is None
     needs_current = s.off_policy_mask is not None or (s.is_correction != "off" and on_policy)

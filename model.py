@@ -42,7 +42,7 @@ Simplifications:
 import glob
 import json
 import os
-
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -310,7 +310,9 @@ def completion_logits(model, prompts, rows, completion_ids, dtype=torch.float32)
         S = ids.shape[1] - 1
 
     device_type = completion_ids.device.type
-    with torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32):
+    autocast = torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32)
+    # the lookups' gradients go into .grad row by row (sparse_embedding_grads)
+    with autocast, sparse_embedding_grads(model):
         # 1) the prompts minus their last token, once each: their KV cache
         # (a 1-position LM head)
         cache = None
@@ -353,6 +355,54 @@ def completion_logits(model, prompts, rows, completion_ids, dtype=torch.float32)
                        logits_to_keep=T).logits  # (n, T, V)
 
 
+def fusable_head(model):
+    """Can completion_logps run on model? A plain bias-free fp32 Linear head on
+    the CPU, with the model itself as the trainer holds it (not DDP- or
+    FSDP2-wrapped, no LoRA on the head)."""
+    if isinstance(model, (DistributedDataParallel, FSDPModule)):
+        return False
+    head = model.get_output_embeddings()
+    return (type(head) is torch.nn.Linear and head.bias is None
+            and head.weight.device.type == "cpu" and head.weight.dtype == torch.float32)
+
+
+@contextmanager
+def head_off(model):
+    """Within it, model's LM head is the identity: its forward's "logits" are
+    the final hidden states (..., d)."""
+    head = model.get_output_embeddings()
+    # an instance attribute: nn.Module.__call__ finds it before the class's
+    head.forward = lambda x: x
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def completion_logps(model, prompts, rows, completion_ids, completion_mask, temperature):
+    """Log-probs (n, T) of completion_ids under model, fp32, 0 at padding: the
+    model's forward as completion_logits's, then the LM head and the log-prob
+    fused (HeadLogps) over the positions completion_mask keeps.
+
+    Why: the update's logits (n, T, V) are its largest tensors on the CPU.
+    Here only one (k, V) buffer of the k real tokens exists, inside HeadLogps:
+    no head work on padding, and no logits-sized temporaries. The same
+    log-probs and gradients to rounding (tests/test_prefix_sharing.py).
+    Only where fusable_head(model); the loss must need nothing but the
+    log-probs (no entropy, no truncated sampling).
+    """
+    with head_off(model):
+        hidden = completion_logits(model, prompts, rows, completion_ids)  # (n, T, d)
+    kept = completion_mask.bool()  # (n, T)
+
+    weight = model.get_output_embeddings().weight  # (V, d)
+    kept_logps = HeadLogps.apply(hidden[kept], weight, completion_ids[kept],
+                                 temperature)  # (k,)
+    logps = torch.zeros(completion_ids.shape, dtype=kept_logps.dtype,
+                        device=kept_logps.device)  # (n, T)
+    return logps.index_put((kept,), kept_logps)  # (n, T)
+
+
 def backward_apart(layers):
     """Cut the prefix's keys and values out of the completions' graph: each
     layer's keys and values are swapped for leaves, and once the completions'
@@ -393,6 +443,41 @@ def backward_apart(layers):
             torch.autograd.backward([kv for kv, _ in reached], [g for _, g in reached])
 
     handle = torch.autograd.graph.register_multi_grad_hook(leaves, backward_prefix)
+
+
+@contextmanager
+def sparse_embedding_grads(model):
+    """Within it, the input embedding's backward gives a sparse gradient (the
+    looked-up rows only), added to a dense .grad in place.
+
+    Why: the dense backward of a lookup is a (V, d) tensor, zero but for the
+    rows looked up, which is then added to .grad: 113 MB for SmolLM2-135M, alive
+    at the end of each backward, where the update's peak is. .grad is made
+    dense first (zeros, if None), so that every gradient is summed into it in
+    place and AdamW sees a dense one. The sum is the same, to rounding
+    (https://pytorch.org/docs/stable/generated/torch.nn.Embedding.html, sparse).
+    Not under DDP (its buckets are dense) or FSDP2 (sharded weights); no-op for
+    a frozen embedding or without grad.
+    """
+    # (a reference, LoRA's AdaptersOff included, runs without grad)
+    distributed = isinstance(model, (DistributedDataParallel, FSDPModule))
+    if not torch.is_grad_enabled() or distributed:
+        yield
+        return
+    embedding = model.get_input_embeddings()
+    weight = getattr(embedding, "weight", None)
+    if weight is None or not weight.requires_grad or not isinstance(embedding, torch.nn.Embedding):
+        yield
+        return
+
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    was_sparse = embedding.sparse
+    embedding.sparse = True
+    try:
+        yield
+    finally:
+        embedding.sparse = was_sparse
 
 
 def tied_head_apart(model):
@@ -548,10 +633,106 @@ def _upcast(rows, temperature):
     return rows.to(dtype) / temperature  # (n, V)
 
 
+# rows per logsumexp call: its (rows, V) temporaries stay small (12 MB at V = 49,152)
+LOGSUMEXP_ROWS = 64
+
+
+def _row_logsumexp(z):
+    """logsumexp over the last dimension of z (..., V), LOGSUMEXP_ROWS rows at a
+    time: torch.logsumexp holds a z-sized temporary (z - max, exponentiated)."""
+    rows = z.reshape(-1, z.shape[-1])  # (k, V), a view of a contiguous z
+    lse = torch.empty(len(rows), dtype=z.dtype, device=z.device)  # (k,)
+    for start in range(0, len(rows), LOGSUMEXP_ROWS):
+        chunk = slice(start, start + LOGSUMEXP_ROWS)
+        lse[chunk] = torch.logsumexp(rows[chunk], dim=-1)
+    return lse.view(z.shape[:-1])  # (...)
+
+
+class ChosenLogps(torch.autograd.Function):
+    """log softmax(logits / T)[id] over the last dimension, with its backward
+    written out:
+
+        d logp / d logits = (onehot(id) - softmax(logits / T)) / T
+
+    Why not autograd's: through division, logsumexp and gather it holds four
+    logits-sized temporaries in the backward (the softmax, its product, the
+    gather's zeros, their sum), each (n, V) fp32. Here the gradient is one
+    buffer, filled in place. On the CPU that is a fifth less time and half the
+    peak memory of this step (docs/benchmarks.md, "The log-prob's backward").
+    The same numbers to rounding: tests/test_loss.py.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, ids, temperature):  # (..., V), (...)
+        z = _upcast(logits, temperature)  # (..., V)
+        lse = _row_logsumexp(z)  # (...)
+        chosen = z.gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # (...)
+        ctx.save_for_backward(logits, ids, lse)
+        ctx.temperature = temperature
+        return chosen - lse  # (...)
+
+    @staticmethod
+    def backward(ctx, grad):  # (...)
+        logits, ids, lse = ctx.saved_tensors
+        scaled = (grad / ctx.temperature).unsqueeze(-1)  # (..., 1)
+
+        # -softmax(z) * grad / T, in one buffer
+        grad_logits = _upcast(logits, ctx.temperature)  # (..., V)
+        grad_logits.sub_(lse.unsqueeze(-1)).exp_().mul_(-scaled)
+
+        # + grad / T at the chosen id
+        grad_logits.scatter_add_(-1, ids.unsqueeze(-1), scaled)
+        return grad_logits.to(logits.dtype), None, None
+
+
 def _chosen_logps(rows, ids, temperature):
-    z = _upcast(rows, temperature)  # (n, V)
-    chosen = z.gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # (n,)
-    return chosen - torch.logsumexp(z, dim=-1)  # (n,)
+    return ChosenLogps.apply(rows, ids, temperature)  # (n,)
+
+
+class HeadLogps(torch.autograd.Function):
+    """The LM head and the log-prob in one op, for the update on the CPU:
+
+        logp = log softmax(h W^T / T)[id]
+        d logp / d h = g W,  d logp / d W = g^T h,  g = (onehot(id) - softmax) / T
+
+    hidden (k, d): the final hidden states of the k positions that count (no
+    padding); weight (V, d): the head's. The op owns its (k, V) logits, so
+    forward divides them in place and backward turns them into g in place: one
+    logits-sized buffer in all, where the head, then ChosenLogps, hold two or
+    three. The head's weight gradient is added to weight.grad in place (no
+    (V, d) temporary) and is not handed back to autograd; the weight must be
+    the parameter itself (not under DDP or FSDP2). Used by completion_logps;
+    the same numbers to rounding: tests/test_prefix_sharing.py.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, temperature):  # (k, d), (V, d), (k,)
+        z = (hidden @ weight.t()).div_(temperature)  # (k, V)
+        lse = _row_logsumexp(z)  # (k,)
+        chosen = z.gather(1, ids.unsqueeze(1)).squeeze(1)  # (k,)
+
+        ctx.save_for_backward(hidden, weight, ids, lse)
+        ctx.z = z
+        ctx.temperature = temperature
+        return chosen - lse  # (k,)
+
+    @staticmethod
+    def backward(ctx, grad):  # (k,)
+        hidden, weight, ids, lse = ctx.saved_tensors
+        scaled = (grad / ctx.temperature).unsqueeze(1)  # (k, 1)
+
+        # g = (onehot - softmax(z)) * grad / T, in z's buffer
+        g = ctx.z.sub_(lse.unsqueeze(1)).exp_().mul_(-scaled)  # (k, V)
+        g.scatter_add_(1, ids.unsqueeze(1), scaled)
+        del ctx.z
+
+        grad_hidden = g @ weight  # (k, d)
+        if weight.requires_grad:
+            if weight.grad is None:
+                weight.grad = g.t() @ hidden  # (V, d)
+            else:
+                weight.grad.addmm_(g.t(), hidden)
+        return grad_hidden, None, None, None
 
 
 def _entropy(rows, temperature):

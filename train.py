@@ -81,9 +81,10 @@ from common import (barrier, collective_device, ddp, fail, in_background, mark, 
 from lora import lora_config
 from loss import LossSettings, choose_impl, policy_loss
 from metrics import step_metrics, token_stats
-from model import (MICRO_BATCH_LOGITS, auto_micro_batch, completion_logits,
-                   entropy_from_logits, load_model, load_reference, load_tokenizer, pad_id,
-                   prompt_batch, sequence_logps, truncate_logits, wrap_ddp)
+from model import (MICRO_BATCH_LOGITS, auto_micro_batch, completion_logits, completion_logps,
+                   entropy_from_logits, fusable_head, load_model, load_reference,
+                   load_tokenizer, pad_id, prompt_batch, sequence_logps, truncate_logits,
+                   truncates, wrap_ddp)
 from reduction import kept_mask, minibatch_tokens, row_weights
 from reward import (
     environment_reward_func,
@@ -257,6 +258,11 @@ if ddp and not args.fsdp:
 vocab_size = raw_model.get_output_embeddings().weight.shape[0]
 micro = args.micro_batch_size or auto_micro_batch(minibatch, args.max_new_tokens,
                                                   vocab_size, device)
+# the update's log-probs with the LM head fused in, no (n, T, V) logits
+# (model.completion_logps): the CPU in fp32, where the loss needs nothing else
+fused_head = (model is raw_model and fusable_head(raw_model) and dtype == torch.float32
+              and loss_impl == "torch" and not args.entropy_coef
+              and not args.adaptive_entropy and not truncates(**truncation))
 # LoRA: the adapters only
 trained = [p for p in raw_model.parameters() if p.requires_grad]
 # fused: one kernel for all tensors, not a loop of small ops (FSDP2's DTensors: the loop)
@@ -572,14 +578,18 @@ def backward_micro(batch, prompts, rows, minibatch_tokens, last, settings):
 
     micro_batch = batch.rows(rows)
     ids = micro_batch.completion_ids  # (n, T)
-    logits = completion_logits(model, prompts, rows, ids, dtype)  # (n, T, V)
-    # the sampler's support: FILTERED outside it when a filter is on (model.py)
-    logits = truncate_logits(logits, ids, args.temperature, **truncation)
+    # the current log-probs: fused with the LM head (fused_head), or from the logits
+    logits = None  # (n, T, V)
+    logps = None  # (n, T)
+    if fused_head:
+        logps = completion_logps(model, prompts, rows, ids, micro_batch.completion_mask,
+                                 args.temperature)
+    else:
+        logits = completion_logits(model, prompts, rows, ids, dtype)
+        # the sampler's support: FILTERED outside it when a filter is on (model.py)
+        logits = truncate_logits(logits, ids, args.temperature, **truncation)
     loss, metrics = policy_loss(logits, micro_batch, settings, minibatch_size=minibatch,
-                                minibatch_tokens=minibatch_tokens)
-    loss.backward()
-    if release_memory:
-        release_free_memory()
+                                minibatch_tokens=minibatch_tokens, logps=logps)
 
     # --adaptive-entropy measures at every step; the loss does only while the bonus is on
     measured = None
@@ -593,6 +603,13 @@ def backward_micro(batch, prompts, rows, minibatch_tokens, last, settings):
         if micro_batch.high_entropy is not None:
             tokens = tokens * micro_batch.high_entropy  # (n, T)
         measured = ((entropies * tokens).sum().item(), tokens.sum().item())
+
+    # the logits (n, T, V) live on only in the loss's graph, which frees them
+    # once their gradient is computed, not after the whole backward
+    del logits
+    loss.backward()
+    if release_memory:
+        release_free_memory()
     return metrics, measured
 
 

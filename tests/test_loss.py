@@ -62,6 +62,34 @@ def test_selective_log_softmax_matches_full_log_softmax_in_chunks(dtype):
                                        atol=1e-3)
 
 
+def test_log_prob_backward_by_gradcheck_and_what_it_saves():
+    """model.ChosenLogps's hand-written backward: gradcheck in float64, FILTERED
+    and -inf logits included; and for backward it keeps the logits as they came
+    (bf16 stays bf16) and one number a row, not an fp32 copy of the logits."""
+    from model import FILTERED
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 6, **f64)
+    logits[0, 1, 4] = FILTERED
+    logits[1, 2, 5] = -torch.inf
+    logits.requires_grad_()
+    ids = torch.tensor([[0, 1, 2], [3, 4, 0]])
+    assert torch.autograd.gradcheck(lambda x: selective_log_softmax(x, ids, 0.7), (logits,))
+
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    bf16 = torch.randn(4, 5, 64, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        selective_log_softmax(bf16, torch.randint(64, (4, 5)), 0.7).sum().backward()
+    logits_sized = [t for t in saved if t.numel() == bf16.numel()]
+    assert len(logits_sized) == 1 and logits_sized[0].dtype == torch.bfloat16
+    assert sum(t.numel() for t in saved) == bf16.numel() + 2 * 4 * 5  # + ids, lse
+
+
 def test_chunks_are_checkpointed_only_when_there_are_several(monkeypatch):
     """One chunk runs plainly: the default run's logits are tiny, and
     checkpointing each row cost 500x. Several chunks are each checkpointed, so no

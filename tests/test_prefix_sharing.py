@@ -10,8 +10,8 @@ import copy
 import pytest
 import torch
 
-from model import (completion_logits, prompt_batch, recompute_layers, selective_log_softmax,
-                   sequence_batch, sequence_logps)
+from model import (completion_logits, completion_logps, fusable_head, prompt_batch,
+                   recompute_layers, selective_log_softmax, sequence_batch, sequence_logps)
 
 
 def whole_sequence_logits(model, prompt_ids, completion_ids):
@@ -269,3 +269,57 @@ def test_the_prefix_graph_is_freed_after_its_backward(tiny, monkeypatch):
 
     assert keys
     assert all(ref() is None for ref in keys)
+
+
+# all, through groups, one completion
+@pytest.mark.parametrize("micro", [12, 5, 1])
+def test_fused_head_log_probs_and_gradients_match_the_logits(tiny, micro):
+    """model.completion_logps (the LM head and the log-prob fused, the tied
+    head's gradient added to .grad in place) gives the log-probs and the
+    gradients of selective_log_softmax over completion_logits's logits, and 0
+    at padding."""
+    _, model, _, _ = tiny
+    prompt_ids, completion_ids = rollout_like(T=5)
+    N, T = completion_ids.shape
+    mask = torch.ones(N, T)
+    mask[1, 3:] = 0  # padding, as the rollout leaves it
+    mask[7, 1:] = 0
+    weights = torch.randn(N, T) * mask  # a loss over the kept tokens
+    prompts = prompt_batch(prompt_ids, 0)
+
+    def run(fused):
+        model.zero_grad(set_to_none=True)
+        out = []
+        for i in range(0, N, micro):
+            rows = slice(i, i + micro)
+            ids = completion_ids[rows]
+            if fused:
+                logps = completion_logps(model, prompts, rows, ids, mask[rows], 0.7)
+            else:
+                logits = completion_logits(model, prompts, rows, ids)
+                logps = selective_log_softmax(logits, ids, 0.7)
+            (logps * weights[rows]).sum().backward()
+            out.append(logps.detach())
+        grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        return torch.cat(out), grads
+
+    assert fusable_head(model)
+    want, want_grads = run(fused=False)
+    got, got_grads = run(fused=True)
+    torch.testing.assert_close(got, want * mask, atol=1e-5, rtol=1e-5)
+    assert (got[mask == 0] == 0).all()
+    for k, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[k], grad, atol=1e-5, rtol=1e-4, msg=k)
+
+
+def test_fusable_head_only_for_a_plain_fp32_head(tiny):
+    _, model, _, _ = tiny
+    assert fusable_head(model)
+
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    assert not fusable_head(bf16)
+
+    biased = copy.deepcopy(model)
+    head = biased.get_output_embeddings()
+    biased.set_output_embeddings(torch.nn.Linear(head.in_features, head.out_features))
+    assert not fusable_head(biased)
