@@ -13,7 +13,8 @@ reward functions as a keyword argument. Tests: python -m pytest -q tests/test_da
 
 Simplifications:
 1. A local file loads as datasets' single split "train", and slices like
-   "train[:100]" work. Hold out a test set as its own file.
+   "train[:100]" work. Hold out a test set as its own file. .jsonl files,
+   whole or sliced by integers, are read without datasets (_load_json_lines).
 2. Rows keep the dataset's prompt (the question), not the rendered text. Rewards,
    including reward models with their own chat template, see the question as the
    dataset wrote it (as in TRL).
@@ -25,6 +26,7 @@ import glob
 import json
 import os
 import random
+import re
 
 from common import cause
 from task import make_sort_dataset
@@ -92,18 +94,27 @@ def load_prompt_dataset(name_or_path, *, config=None, split="train",
         load_prompt_dataset("openai/gsm8k", config="main", prompt_column="question",
                             solution_column="answer")
     """
-    # imported here: it costs a second that the built-in task does not need
-    import datasets
-
-    # per-shard bars would break the step bar
-    datasets.disable_progress_bars()
-
     if isinstance(name_or_path, (str, os.PathLike)):
         paths = [name_or_path]
     else:
         paths = list(name_or_path)
     paths = [os.fspath(p) for p in paths]
     exts = {os.path.splitext(p)[1].lower() for p in paths}
+
+    # JSON lines, whole or an integer slice: read here, without datasets
+    # (_load_json_lines)
+    lines_slice = _JSON_LINES_SPLIT.fullmatch(split)
+    if exts == {".jsonl"} and lines_slice:
+        ds = _load_json_lines(paths, name_or_path)
+        start, stop = (int(x) if x else None for x in lines_slice.groups())
+        ds = _JsonLines(ds[start:stop], columns=ds.column_names)
+        return _prompt_rows(ds, name_or_path, split, prompt_column, solution_column)
+
+    # imported here: it costs a second that the built-in task does not need
+    import datasets
+
+    # per-shard bars would break the step bar
+    datasets.disable_progress_bars()
 
     if exts <= set(_LOADERS):
         ds = _load_files(datasets, paths, exts, split, name_or_path)
@@ -112,7 +123,12 @@ def load_prompt_dataset(name_or_path, *, config=None, split="train",
     else:
         raise ValueError(f"cannot load dataset {name_or_path!r}: give a hub id, a "
                          f"dataset folder or files ending in {', '.join(_LOADERS)}")
+    return _prompt_rows(ds, name_or_path, split, prompt_column, solution_column)
 
+
+def _prompt_rows(ds, name_or_path, split, prompt_column, solution_column):
+    """A loaded dataset (datasets', or _load_json_lines's) -> its rows, the
+    prompt and solution columns renamed and checked."""
     where = f"dataset {name_or_path!r} (split {split!r})"
     if len(ds) == 0:
         raise ValueError(f"{where} is empty")
@@ -158,6 +174,54 @@ def _load_files(datasets, paths, exts, split, name_or_path):
         # a malformed file: datasets' DatasetGenerationError, pyarrow's errors
         raise ValueError(f"cannot read dataset {name_or_path!r}: {cause(e)}: "
                          "fix the file") from None
+
+
+# the splits of local .jsonl files read without datasets: "train", "train[a:b]"
+# (a Python slice of the rows, as datasets takes it; a percent goes to datasets)
+_JSON_LINES_SPLIT = re.compile(r"train(?:\[(-?\d*):(-?\d*)\])?")
+
+
+class _JsonLines(list):
+    """_load_json_lines's rows: a list of dicts with datasets' column_names."""
+
+    def __init__(self, rows=(), columns=()):
+        super().__init__(rows)
+        self.column_names = list(columns)
+
+
+def _load_json_lines(paths, name_or_path):
+    """Local .jsonl files, each line one row, read with json -> _JsonLines.
+
+    Why not datasets: importing it and its Arrow tables keeps ~80 MB resident
+    for the whole run, on a 135M model's 3 GB (docs/benchmarks.md). The rows are
+    the ones datasets gives: the files in sorted order per pattern, blank lines
+    skipped, a column a row lacks set to None. Unlike datasets, a column's
+    values keep the types JSON gave them (datasets casts a column of ints and
+    floats to floats).
+    """
+    missing = [p for p in paths if not glob.glob(p)]
+    if missing:
+        raise FileNotFoundError(f"dataset file not found: {', '.join(missing)}")
+    _check_json_lines(paths)
+
+    rows = []
+    for pattern in paths:
+        for path in sorted(glob.glob(pattern)):
+            with open(path, encoding="utf-8") as lines:
+                rows += [json.loads(line) for line in lines if line.strip()]
+
+    not_objects = [i for i, row in enumerate(rows) if not isinstance(row, dict)]
+    if not_objects:
+        raise ValueError(f"cannot read dataset {name_or_path!r}: row {not_objects[0]} is "
+                         f"{rows[not_objects[0]]!r:.80}, not a JSON object: fix the file")
+    if not rows:
+        raise ValueError(f"cannot load split 'train' of {name_or_path!r}: no rows (empty "
+                         "files have no rows)")
+
+    # every column, in the order rows first name them (dicts keep insertion order)
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    full_rows = [{column: row.get(column) for column in columns} for row in rows]
+    return _JsonLines(full_rows, columns)
 
 
 def _load_hub_or_folder(datasets, path, config, split):

@@ -9,6 +9,8 @@ is built from a config.
 import json
 import os
 import re
+import subprocess
+import sys
 
 import datasets
 import pytest
@@ -19,6 +21,7 @@ from transformers import Qwen2Config, Qwen2ForSequenceClassification
 import data
 import model
 import task
+from helpers import ROOT
 from reward import (accuracy_reward, compute_rewards, get_reward_funcs,
                     get_reward_model_func, reasoning_accuracy_reward, think_format_reward)
 
@@ -126,6 +129,42 @@ def test_load_several_files_by_glob_or_list_and_slices(tmp_path):
 
     path = write_gsm8k_jsonl(tmp_path / "g.jsonl")
     assert len(load_fixtures(path, split="train[:2]")) == 2
+
+
+def test_jsonl_is_read_without_datasets_and_gives_its_rows(tmp_path):
+    """A .jsonl split, whole or an integer slice, is read with json
+    (data._load_json_lines): the rows datasets gives (a percent still goes
+    through datasets), and datasets, with its Arrow tables, is never imported."""
+    path = tmp_path / "mixed.jsonl"
+    lines = [
+        {"prompt": "What is 2 + 3?", "solution": "5", "level": 1},
+        {"prompt": "Say hi", "solution": "hi", "level": 2},
+        {"prompt": "No level here", "solution": "7", "source": "made up"},
+    ]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
+
+    ours = data.load_prompt_dataset(str(path))
+    theirs = data.load_prompt_dataset(str(path), split="train[:100%]")  # datasets
+    assert ours == theirs
+    assert ours[2] == {"prompt": "No level here", "solution": "7", "level": None,
+                       "source": "made up"}
+
+    # integer slices as datasets takes them: Python's
+    for split in ("train[:2]", "train[1:]", "train[-2:]", "train[:-1]", "train[-100:2]"):
+        start, stop = re.fullmatch(r"train\[(-?\d*):(-?\d*)\]", split).groups()
+        expected = ours[int(start) if start else None:int(stop) if stop else None]
+        assert data.load_prompt_dataset(str(path), split=split) == expected, split
+    with pytest.raises(ValueError, match="is empty"):
+        data.load_prompt_dataset(str(path), split="train[3:]")
+
+    script = ("import sys, data; data.load_prompt_dataset(sys.argv[1], split='train[1:]'); "
+              "sys.exit('datasets' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script, str(path)], cwd=ROOT)
+    assert done.returncode == 0
+
+    (tmp_path / "list.jsonl").write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match="row 0 is \\[1, 2\\], not a JSON object"):
+        data.load_prompt_dataset(str(tmp_path / "list.jsonl"))
 
 
 def test_load_without_golds(tmp_path):
