@@ -409,7 +409,9 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, settings, *, entrop
     # 1) the ratio: per token, or one per sequence (GSPO, eq. 7)
     mask = mask.to(logps.dtype)  # (B, T)
     old = logps.detach() if old_logps is None else old_logps  # (B, T)
-    log_ratio = logps - old  # (B, T)
+    # 0 at masked tokens: there the fused head's log-probs are 0 (model.completion_logps)
+    # and exp(0 - old) could overflow
+    log_ratio = (logps - old) * mask  # (B, T)
     if s.importance_sampling_level == "sequence":
         seq_log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # (B,)
         log_ratio = seq_log_ratio.unsqueeze(-1).expand_as(logps)  # (B, T)

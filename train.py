@@ -357,7 +357,8 @@ n_params = sum(p.numel() for p in raw_model.parameters()) / 1e6
 n_trained = sum(p.numel() for p in trained) / 1e6
 print0(f"engine {type(engine).__name__} ({engine_why}), {world} rank(s) x "
        f"{torch.get_num_threads()} thread(s), device {device}, "
-       f"loss {loss_impl} ({loss_why}), {n_params:.2f}M params "
+       f"loss {loss_impl} ({loss_why}{', the LM head fused' if fused_head else ''}), "
+       f"{n_params:.2f}M params "
        f"({n_trained:.3g}M trained), {len(train_rows)} train prompts")
 if micro < minibatch and not args.micro_batch_size:
     print0(f"micro-batch {micro} of the minibatch's {minibatch} completions (auto: on the "

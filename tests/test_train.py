@@ -221,6 +221,30 @@ def test_identical_completions_train_as_one_weighed_row(tmp_path):
         assert deduplicated[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-7), key
 
 
+def test_the_fused_head_trains_as_the_logits_do(tmp_path):
+    """Without an entropy bonus, the CPU's update takes its log-probs from the
+    fused LM head (model.completion_logps, 0 at padding); a top-k of the whole
+    vocabulary filters nothing and takes the logits path. Off-policy (two
+    minibatches: old log-probs, the ratio at padded tokens) and with a
+    reference: the same rewards, losses, KL and gradient norms."""
+    from task import build_tokenizer
+
+    args = ["--steps", "2", "--eval-every", "0", "--eval-size", "2",
+            "--prompts-per-step", "4", "--G", "4", "--engine", "hf", "--entropy-coef", "0",
+            "--beta", "0.04", "--minibatch-size", "8", "--micro-batch-size", "4"]
+    _, fused_output, fused = run_train(args, tmp_path / "fused")
+    top_k = ["--top-k", str(len(build_tokenizer()))]
+    _, logits_output, logits = run_train(args + top_k, tmp_path / "logits")
+
+    assert "the LM head fused" in fused_output
+    assert "the LM head fused" not in logits_output
+    assert fused[1]["len_mean"] < 4  # some completions end early: padding
+    for a, b in zip(fused[1:], logits[1:], strict=True):
+        assert a["reward_mean"] == b["reward_mean"]
+        for key in ("loss", "kl", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+
+
 def test_old_and_ref_logps_forward_one_micro_batch_at_a_time(tmp_path):
     """old_logps (2 minibatches: off-policy) and ref_logps (beta > 0) never
     forward more than --micro-batch-size sequences.
