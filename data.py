@@ -105,10 +105,10 @@ def load_prompt_dataset(name_or_path, *, config=None, split="train",
     # (_load_json_lines)
     lines_slice = _JSON_LINES_SPLIT.fullmatch(split)
     if exts == {".jsonl"} and lines_slice:
-        ds = _load_json_lines(paths, name_or_path)
         start, stop = (int(x) if x else None for x in lines_slice.groups())
-        ds = _JsonLines(ds[start:stop], columns=ds.column_names)
-        return _prompt_rows(ds, name_or_path, split, prompt_column, solution_column)
+        rows, columns = _load_json_lines(paths, name_or_path, slice(start, stop))
+        return _prompt_rows(rows, columns, name_or_path, split, prompt_column,
+                            solution_column)
 
     # imported here: it costs a second that the built-in task does not need
     import datasets
@@ -123,12 +123,13 @@ def load_prompt_dataset(name_or_path, *, config=None, split="train",
     else:
         raise ValueError(f"cannot load dataset {name_or_path!r}: give a hub id, a "
                          f"dataset folder or files ending in {', '.join(_LOADERS)}")
-    return _prompt_rows(ds, name_or_path, split, prompt_column, solution_column)
+    return _prompt_rows(ds, ds.column_names, name_or_path, split, prompt_column,
+                        solution_column)
 
 
-def _prompt_rows(ds, name_or_path, split, prompt_column, solution_column):
-    """A loaded dataset (datasets', or _load_json_lines's) -> its rows, the
-    prompt and solution columns renamed and checked."""
+def _prompt_rows(ds, columns, name_or_path, split, prompt_column, solution_column):
+    """A loaded dataset (datasets', or _load_json_lines's rows) and its columns ->
+    its rows, the prompt and solution columns renamed and checked."""
     where = f"dataset {name_or_path!r} (split {split!r})"
     if len(ds) == 0:
         raise ValueError(f"{where} is empty")
@@ -136,7 +137,7 @@ def _prompt_rows(ds, name_or_path, split, prompt_column, solution_column):
     renames = {prompt_column: "prompt"}
     if solution_column:
         renames[solution_column] = "solution"
-    _check_columns(ds.column_names, renames, where)
+    _check_columns(columns, renames, where)
 
     rows = [{renames.get(k, k): v for k, v in row.items()} for row in ds]
     bad = [i for i, r in enumerate(rows) if not _is_prompt(r["prompt"])]
@@ -149,11 +150,16 @@ def _prompt_rows(ds, name_or_path, split, prompt_column, solution_column):
     return rows
 
 
-def _load_files(datasets, paths, exts, split, name_or_path):
-    """Local .json/.jsonl/.csv/.parquet files of one format -> a datasets.Dataset."""
+def _check_files_exist(paths):
+    """FileNotFoundError naming each path or glob that matches no file."""
     missing = [p for p in paths if not glob.glob(p)]
     if missing:
         raise FileNotFoundError(f"dataset file not found: {', '.join(missing)}")
+
+
+def _load_files(datasets, paths, exts, split, name_or_path):
+    """Local .json/.jsonl/.csv/.parquet files of one format -> a datasets.Dataset."""
+    _check_files_exist(paths)
 
     if len({_LOADERS[e] for e in exts}) > 1:
         raise ValueError(f"dataset files mix formats {sorted(exts)}: "
@@ -181,16 +187,9 @@ def _load_files(datasets, paths, exts, split, name_or_path):
 _JSON_LINES_SPLIT = re.compile(r"train(?:\[(-?\d*):(-?\d*)\])?")
 
 
-class _JsonLines(list):
-    """_load_json_lines's rows: a list of dicts with datasets' column_names."""
-
-    def __init__(self, rows=(), columns=()):
-        super().__init__(rows)
-        self.column_names = list(columns)
-
-
-def _load_json_lines(paths, name_or_path):
-    """Local .jsonl files, each line one row, read with json -> _JsonLines.
+def _load_json_lines(paths, name_or_path, rows_slice):
+    """Local .jsonl files, each line one row, read with json -> (the rows_slice
+    of the rows, a dict each; the columns of all rows).
 
     Why not datasets: importing it and its Arrow tables keeps ~80 MB resident
     for the whole run, on a 135M model's 3 GB (docs/benchmarks.md). The rows are
@@ -199,16 +198,9 @@ def _load_json_lines(paths, name_or_path):
     values keep the types JSON gave them (datasets casts a column of ints and
     floats to floats).
     """
-    missing = [p for p in paths if not glob.glob(p)]
-    if missing:
-        raise FileNotFoundError(f"dataset file not found: {', '.join(missing)}")
-    _check_json_lines(paths)
-
-    rows = []
-    for pattern in paths:
-        for path in sorted(glob.glob(pattern)):
-            with open(path, encoding="utf-8") as lines:
-                rows += [json.loads(line) for line in lines if line.strip()]
+    _check_files_exist(paths)
+    rows = [row for pattern in paths for path in sorted(glob.glob(pattern))
+            for row in _json_lines(path)]
 
     not_objects = [i for i, row in enumerate(rows) if not isinstance(row, dict)]
     if not_objects:
@@ -220,8 +212,8 @@ def _load_json_lines(paths, name_or_path):
 
     # every column, in the order rows first name them (dicts keep insertion order)
     columns = list(dict.fromkeys(key for row in rows for key in row))
-    full_rows = [{column: row.get(column) for column in columns} for row in rows]
-    return _JsonLines(full_rows, columns)
+    kept = [{column: row.get(column) for column in columns} for row in rows[rows_slice]]
+    return kept, columns
 
 
 def _load_hub_or_folder(datasets, path, config, split):
@@ -267,19 +259,25 @@ def _check_json_lines(paths):
     datasets names neither.
     """
     for pattern in paths:
-        if not pattern.lower().endswith(".jsonl"):
-            continue
+        if pattern.lower().endswith(".jsonl"):
+            for path in sorted(glob.glob(pattern)):
+                # every line parsed: _json_lines raises at the first bad one
+                for _ in _json_lines(path):
+                    pass
 
-        for path in sorted(glob.glob(pattern)):
-            with open(path, encoding="utf-8", errors="replace") as lines:
-                for n, line in enumerate(lines, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        json.loads(line)
-                    except ValueError as e:
-                        raise ValueError(f"dataset file {path}: line {n} is not valid "
-                                         f"JSON ({e}): fix or remove it") from None
+
+def _json_lines(path):
+    """The JSON value of each non-blank line of a .jsonl file; ValueError naming
+    the file and line of one that is not JSON."""
+    with open(path, encoding="utf-8", errors="replace") as lines:
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"dataset file {path}: line {n} is not valid "
+                                 f"JSON ({e}): fix or remove it") from None
 
 
 def _is_prompt(p):
