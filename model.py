@@ -12,6 +12,7 @@ the forward that turns a rollout into the logits and log-probs the loss needs.
     kept_tokens(scores, ...)       the tokens top-k / top-p / min-p keep (both engines)
     truncate_logits(logits, ids, ...)  the sampler's support replayed on the trainer's logits
     sequence_logps(model, ...)     (N, T) log-probs of the completions, by micro-batch
+    completion_logps(model, ...)   the update's log-probs, LM head and log-prob fused (CPU, fp32)
     auto_micro_batch(...)          completions per forward when --micro-batch-size is 0
 
 Mixed precision, as PyTorch users expect: the policy's weights, gradients and
@@ -648,6 +649,17 @@ def _row_logsumexp(z):
     return lse.view(z.shape[:-1])  # (...)
 
 
+def _log_prob_grad_(z, lse, ids, grad, temperature):
+    """z (..., V) = logits / T, turned in place into the gradient of
+    logp = z[id] - lse with respect to the logits, times grad (...):
+
+        (onehot(id) - softmax(z)) * grad / T
+    """
+    scaled = (grad / temperature).unsqueeze(-1)  # (..., 1)
+    z.sub_(lse.unsqueeze(-1)).exp_().mul_(-scaled)  # -softmax(z) * grad / T
+    return z.scatter_add_(-1, ids.unsqueeze(-1), scaled)  # (..., V)
+
+
 class ChosenLogps(torch.autograd.Function):
     """log softmax(logits / T)[id] over the last dimension, with its backward
     written out:
@@ -674,14 +686,8 @@ class ChosenLogps(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # (...)
         logits, ids, lse = ctx.saved_tensors
-        scaled = (grad / ctx.temperature).unsqueeze(-1)  # (..., 1)
-
-        # -softmax(z) * grad / T, in one buffer
-        grad_logits = _upcast(logits, ctx.temperature)  # (..., V)
-        grad_logits.sub_(lse.unsqueeze(-1)).exp_().mul_(-scaled)
-
-        # + grad / T at the chosen id
-        grad_logits.scatter_add_(-1, ids.unsqueeze(-1), scaled)
+        z = _upcast(logits, ctx.temperature)  # (..., V), the one new buffer
+        grad_logits = _log_prob_grad_(z, lse, ids, grad, ctx.temperature)  # (..., V)
         return grad_logits.to(logits.dtype), None, None
 
 
@@ -719,11 +725,7 @@ class HeadLogps(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # (k,)
         hidden, weight, ids, lse = ctx.saved_tensors
-        scaled = (grad / ctx.temperature).unsqueeze(1)  # (k, 1)
-
-        # g = (onehot - softmax(z)) * grad / T, in z's buffer
-        g = ctx.z.sub_(lse.unsqueeze(1)).exp_().mul_(-scaled)  # (k, V)
-        g.scatter_add_(1, ids.unsqueeze(1), scaled)
+        g = _log_prob_grad_(ctx.z, lse, ids, grad, ctx.temperature)  # (k, V), in z's buffer
         del ctx.z
 
         grad_hidden = g @ weight  # (k, d)

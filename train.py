@@ -260,7 +260,7 @@ micro = args.micro_batch_size or auto_micro_batch(minibatch, args.max_new_tokens
                                                   vocab_size, device)
 # the update's log-probs with the LM head fused in, no (n, T, V) logits
 # (model.completion_logps): the CPU in fp32, where the loss needs nothing else
-fused_head = (model is raw_model and fusable_head(raw_model) and dtype == torch.float32
+fused_head = (fusable_head(model) and dtype == torch.float32
               and loss_impl == "torch" and not args.entropy_coef
               and not args.adaptive_entropy and not truncates(**truncation))
 # LoRA: the adapters only
