@@ -8,6 +8,8 @@ adds the adapters. This file holds what the trainer needs around them:
     lora_config(rank, alpha, ...)  peft's LoraConfig from the flags' values, or None
     add_lora(model, config)     the model as a PeftModel, base frozen (model.load_model)
     AdaptersOff(policy)         the reference for --beta > 0: the policy, adapters off
+    merged_adapters(model)      while the HF engine samples on CPU: each adapted layer
+                                one matmul of its merged weight
     sync_parameters(model)      what a weight sync sends: every parameter, or the
                                 adapted modules' merged weights
     full_named_parameters(...)  those as full tensors (FSDP2: gathered), engine's dtype
@@ -23,6 +25,8 @@ Simplifications:
    block), not just the changed matrices: vLLM fuses them (see lora_parameters).
 """
 import os
+from contextlib import contextmanager
+from functools import partial
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -125,6 +129,45 @@ class AdaptersOff:
     def __call__(self, **inputs):
         with self.model.disable_adapter():
             return self.model(**inputs)
+
+
+@contextmanager
+def merged_adapters(model):
+    """Within it, each adapted Linear of a LoRA policy on the CPU runs as one
+    matmul of its merged weight W + scale * B A: the weights a sync sends the
+    vLLM engine (sync_parameters), which samples from them too. For the HF
+    engine's decode loop, under torch.no_grad.
+
+    Why: a decode step has few rows (32 in bench real's recipe), and peft's
+    layer adds two skinny matmuls (K = r), a scale and an add to each base
+    matmul, and their Python. The merged weights cost one copy of the adapted
+    weights while the context lasts, computed once. The same log-probs to
+    rounding (tests/test_decode.py). Elsewhere (not LoRA, a GPU, where that copy
+    takes accelerator memory, or with gradients) the layers are left as they are.
+    """
+    layers = []
+    if is_lora(model) and not torch.is_grad_enabled():
+        from peft.tuners.lora import Linear
+
+        layers = [m for m in model.modules()
+                  if type(m) is Linear and m.get_base_layer().weight.device.type == "cpu"]
+
+    for layer in layers:
+        base = layer.get_base_layer()
+        merged = base.weight + layer.get_delta_weight(ADAPTER)  # (out, in)
+        # an instance attribute: nn.Module.__call__ finds it before the class's
+        layer.forward = partial(_merged_linear, weight=merged, bias=base.bias)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
+
+
+def _merged_linear(x, *args, weight, bias, **kwargs):
+    # peft's Linear.forward takes (x, *args, **kwargs); the extras are for
+    # mixed adapter batches, which the trainer never passes
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 @torch.no_grad()

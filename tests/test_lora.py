@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from config import LORA_TARGETS
 from helpers import read_metrics, run_train, without_timings
-from lora import AdaptersOff, add_lora, lora_config
+from lora import AdaptersOff, add_lora, lora_config, merged_adapters
 from model import prompt_batch, sequence_batch, sequence_logps
 
 peft = pytest.importorskip("peft", reason="LoRA needs peft (requirements*.txt)")
@@ -141,6 +141,46 @@ def test_vllm_samples_from_the_merged_policy(tiny, data):
                                 f"by {err:.2e} after the sync")
     finally:
         engine.close()
+
+
+def test_hf_engine_samples_through_merged_adapters(tiny, data, monkeypatch):
+    """On the CPU the HF engine runs each adapted layer as one matmul of its
+    merged weight (lora.merged_adapters): the same completions and log-probs
+    (< 1e-5) as peft's layers, and the layers are peft's again after it."""
+    import contextlib
+
+    import rollout
+    from rollout import HFEngine
+
+    _, _, tokenizer, _ = tiny
+    model, prompts, completions = data
+    policy = lora_policy(model)
+    train_steps(policy, prompts, completions)
+    frozen = {n: p.detach().clone() for n, p in policy.named_parameters()}
+
+    # inside: every adapted layer merged, and the same outputs to rounding
+    ids = torch.tensor([prompts[0]])  # (1, P)
+    with torch.no_grad():
+        peft_logits = policy(input_ids=ids).logits
+        with merged_adapters(policy):
+            layers = [m for m in policy.modules() if isinstance(m, peft.tuners.lora.Linear)]
+            assert layers and all("forward" in vars(m) for m in layers)
+            merged_logits = policy(input_ids=ids).logits
+    assert 0 < (merged_logits - peft_logits).abs().max() < 1e-5
+    assert not any("forward" in vars(m) for m in layers)
+    assert all(torch.equal(p, frozen[n]) for n, p in policy.named_parameters())
+
+    # with gradients (the update), peft's layers
+    with merged_adapters(policy):
+        assert not any("forward" in vars(m) for m in layers)
+
+    # the engine's samples: a new engine each, the same seed for its first call
+    merged = HFEngine(policy, tokenizer, seed=0).generate(prompts, G, 12, temperature=1.0)
+    monkeypatch.setattr(rollout, "merged_adapters", lambda model: contextlib.nullcontext())
+    plain = HFEngine(policy, tokenizer, seed=0).generate(prompts, G, 12, temperature=1.0)
+    assert torch.equal(merged.completion_ids, plain.completion_ids)
+    mask = plain.completion_mask.bool()
+    assert (merged.sampling_logps - plain.sampling_logps)[mask].abs().max() < 1e-5
 
 
 def test_lora_run_learns_saves_merged_model_and_resumes_bit_exactly(tmp_path):
