@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from common import all_ranks_ok, private_rng, unwrap
-from lora import full_named_parameters
+from lora import full_named_parameters, merged_adapters
 from model import kept_tokens, pad_id, sequence_batch, truncates
 
 
@@ -108,7 +108,8 @@ def process_logits(logits, seen, temperature, top_p=1.0, top_k=0, min_p=0.0,
     Greedy (temperature 0) leaves them unfiltered. seen (N, S): the tokens so far.
     Diverged logits are clamped: sampling goes on, as vLLM's does.
     """
-    scores = logits.nan_to_num(0.0).clamp(-1e4, 1e4)  # (N, V)
+    # a new tensor: the rest works on it in place
+    scores = logits.nan_to_num(0.0).clamp_(-1e4, 1e4)  # (N, V)
 
     # CTRL (arXiv:1909.05858): a seen logit / penalty if > 0, else x penalty
     if repetition_penalty != 1.0:
@@ -118,7 +119,7 @@ def process_logits(logits, seen, temperature, top_p=1.0, top_k=0, min_p=0.0,
 
     if temperature == 0:
         return scores
-    scores = scores / temperature
+    scores = scores.div_(temperature)
 
     # min-p, top-k, top-p in vLLM's order: the trainer replays the same filter
     # (model.truncate_logits)
@@ -128,22 +129,93 @@ def process_logits(logits, seen, temperature, top_p=1.0, top_k=0, min_p=0.0,
     return scores
 
 
-def draw_tokens(logps):
-    """One token per row from p = exp(logps): (N, V) -> (N,), by inverse CDF.
+# tokens per block of draw_tokens' two-level CDF
+CDF_BLOCK = 256
+
+
+def draw_tokens(scores, greedy=False, uniforms=None):
+    """One token per row from p = softmax(scores), by inverse CDF, or the argmax
+    if greedy. (N, V) -> (N,) tokens and (N,) their log-probs log p. scores are
+    overwritten (with exp(scores - max)): the decode loop's own, not needed after.
+    uniforms (N, 1) fp64 in [0, 1): the rows' draws, else drawn here.
 
     One uniform u per row, scaled to the row's total mass, picks the first token
     whose cumulative probability exceeds it: token v with probability p_v
     (https://en.wikipedia.org/wiki/Inverse_transform_sampling). torch's
     multinomial draws an exponential per logit instead, 8 % of a decode step
-    here. The CDF is summed in fp64, so its rounding shifts no token's
-    probability measurably; a token of probability 0 (filtered, -inf) spans an
-    empty interval and is never drawn. tests/test_decode.py checks the
-    frequencies against p.
+    here.
+
+    The CDF has two levels: the blocks' masses (CDF_BLOCK tokens each), then
+    the tokens of the one block u falls in, each cumulated in fp64. A single
+    cumulative sum over V picks the same token but where u lies within rounding
+    (~1e-7 of a block's mass) of a boundary, at several times the cost (a
+    sequential scan of V numbers a row). A token of probability 0 (filtered,
+    -inf) spans an empty interval and is never drawn. tests/test_decode.py
+    checks the frequencies against p, and the tokens against one cumulative sum.
     """
-    cdf = logps.exp().double().cumsum(-1)  # (N, V)
-    u = torch.rand(cdf.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # (N, 1)
-    token = torch.searchsorted(cdf, u, right=True)[:, 0]  # (N,)
-    return token.clamp(max=cdf.shape[1] - 1)
+    N, V = scores.shape
+    top = scores.amax(-1, keepdim=True)  # (N, 1)
+    if greedy:
+        token = scores.argmax(-1)  # (N,)
+    # log p = s - max - log(sum exp(s - max))
+    chosen_minus_top = None
+    if greedy:
+        chosen_minus_top = scores.gather(1, token[:, None]) - top  # (N, 1)
+
+    weights = scores.sub_(top).exp_()  # (N, V) unnormalised p, in place
+    block_mass = _block_sums(weights).double()  # (N, blocks)
+    block_cdf = block_mass.cumsum(-1)  # (N, blocks)
+    total = block_cdf[:, -1:]  # (N, 1)
+
+    if not greedy:
+        if uniforms is None:
+            uniforms = torch.rand(N, 1, dtype=torch.float64, device=scores.device)
+        token = _inverse_cdf(weights, block_cdf, uniforms * total)  # (N,)
+        # exp(s - max) of the drawn token: > 0, so its log is s - max to rounding
+        chosen_minus_top = weights.gather(1, token[:, None]).log()  # (N, 1)
+
+    logp = chosen_minus_top.double() - total.log()  # (N, 1)
+    return token, logp[:, 0].to(scores.dtype)
+
+
+def _block_sums(weights):
+    """(N, V) -> (N, blocks): the sum of each CDF_BLOCK tokens, the last block
+    those left over."""
+    N, V = weights.shape
+    full = V // CDF_BLOCK * CDF_BLOCK
+    sums = weights[:, :full].reshape(N, -1, CDF_BLOCK).sum(-1)  # (N, V // CDF_BLOCK)
+    if full < V:
+        rest = weights[:, full:].sum(-1, keepdim=True)  # (N, 1)
+        sums = torch.cat([sums, rest], 1)
+    return sums
+
+
+def _inverse_cdf(weights, block_cdf, u):
+    """The token u (N, 1) in [0, total mass) picks in each row: first its block,
+    then the token in it."""
+    V = weights.shape[1]
+    blocks = block_cdf.shape[1]
+
+    # the first block whose cumulative mass exceeds u (u < total: one exists,
+    # and it has mass)
+    block = torch.searchsorted(block_cdf, u, right=True).clamp(max=blocks - 1)  # (N, 1)
+    before = block_cdf.gather(1, (block - 1).clamp(min=0))  # (N, 1)
+    before = torch.where(block > 0, before, 0.0)
+    # u's place in the block, >= 0 as block_cdf[block - 1] <= u
+    u_in = u - before  # (N, 1)
+
+    # the block's tokens (the last block's padding: weight 0)
+    offsets = torch.arange(CDF_BLOCK, device=weights.device)
+    index = block * CDF_BLOCK + offsets  # (N, CDF_BLOCK)
+    block_weights = weights.gather(1, index.clamp(max=V - 1)) * (index < V)  # (N, CDF_BLOCK)
+    cdf = block_weights.double().cumsum(-1)  # (N, CDF_BLOCK)
+    token = torch.searchsorted(cdf, u_in, right=True)  # (N, 1)
+
+    # rounding can leave u_in at or past the block's last sum: then its last
+    # token of mass
+    last = (block_weights > 0).cumsum(-1).argmax(-1, keepdim=True)  # (N, 1)
+    token = torch.minimum(token, last)
+    return (index.gather(1, token))[:, 0]  # (N,)
 
 
 class Engine:
@@ -510,6 +582,22 @@ def preallocated_cache(model, prefill_cache, rows, length):
     return cache
 
 
+def leave_batch(ended):
+    """Which rows the HF engine's next decode step keeps: (A,) bool, the rows
+    that have ended -> (A',) the indices of those that have not, or None to keep
+    them all.
+
+    An ended row still costs a step its share of every matmul and of attention
+    (4 in 10 of bench real's rows end early). Dropping rows copies the KV cache
+    of those kept, so it waits until an eighth of the batch has ended. The
+    last rows stay (a rank under FSDP2 steps on until all ranks end).
+    """
+    count = int(ended.sum())
+    if count == 0 or count == len(ended) or 8 * count < len(ended):
+        return None
+    return (~ended).nonzero()[:, 0]  # (A',)
+
+
 # the LM head's weight rows per matmul while the HF engine decodes on CPU
 HEAD_TILE_ROWS = 2048
 
@@ -605,7 +693,8 @@ class HFEngine(Engine):
         model.eval()
         enabled = self.dtype != torch.float32
         autocast = torch.autocast(model.device.type, self.dtype, enabled)
-        with private_rng(rng_seed), autocast:
+        # LoRA on the CPU: each adapted layer one matmul of its merged weight
+        with private_rng(rng_seed), autocast, merged_adapters(model):
             # 1) prefill: each prompt once (HF generate would run it n times)
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
                         use_cache=True, logits_to_keep=1)
@@ -628,34 +717,48 @@ class HFEngine(Engine):
             done = torch.zeros_like(rows, dtype=torch.bool)  # (N,)
             lengths = torch.zeros_like(rows)  # (N,) tokens up to the first EOS
 
-            # 3) decode one token a step for all N completions, the LM head in tiles
+            # 3) decode one token a step, the LM head in tiles. `active`: the
+            # rows still in the batch (leave_batch)
+            active = torch.arange(len(rows), device=ids.device)  # (A,)
             with tiled_head(model, self.dtype):
                 for t in itertools.count():
                     # under FSDP2 a rank past its last token steps on
                     if t < max_new_tokens:
                         scores = process_logits(logits.float(), seen, temperature,
-                                                **filters)  # (N, V)
-                        all_logps = scores.log_softmax(-1)  # (N, V)
-                        if greedy:
-                            token = scores.argmax(-1)
-                        else:
-                            token = draw_tokens(all_logps)
-                        token = token.masked_fill(done, self.pad_id)
-                        tokens.append(token)
-                        logp = all_logps.gather(1, token[:, None])[:, 0]  # (N,)
-                        logps.append(logp)
-                        lengths = lengths + ~done
-                        done = done | torch.isin(token, eos)
+                                                **filters)  # (A, V)
+                        # a uniform for each of the N rows, in the batch or not:
+                        # a row's draws do not depend on when the others end
+                        uniforms = None
+                        if not greedy:
+                            uniforms = torch.rand(len(rows), 1, dtype=torch.float64,
+                                                  device=ids.device)[active]  # (A, 1)
+                        token, logp = draw_tokens(scores, greedy, uniforms)  # (A,) each
+                        ended = done[active]  # (A,)
+                        token = token.masked_fill(ended, self.pad_id)
+
+                        tokens.append(torch.full_like(rows, self.pad_id).index_copy_(
+                            0, active, token))  # (N,)
+                        logps.append(logp.new_zeros(len(rows)).index_copy_(
+                            0, active, logp))  # (N,)
+                        lengths[active] += ~ended
+                        done[active] = ended | torch.isin(token, eos)
                         if filters.get("repetition_penalty", 1) != 1:
-                            seen = torch.cat([seen, token[:, None]], 1)  # (N, S+1)
+                            seen = torch.cat([seen, token[:, None]], 1)  # (A, S+1)
 
                     if agree(t + 1 >= max_new_tokens or bool(done.all())):
                         break
 
+                    keep = leave_batch(done[active])
+                    if keep is not None:
+                        active = active[keep]  # (A',)
+                        cache.reorder_cache(keep)
+                        token, seen, full_mask, last = (x[keep] for x in
+                                                        (token, seen, full_mask, last))
+
                     full_mask[:, P + t] = 1
                     logits = model(input_ids=token[:, None], attention_mask=full_mask,
                                    past_key_values=cache, position_ids=last + t + 1,
-                                   use_cache=True).logits[:, -1]  # (N, V)
+                                   use_cache=True).logits[:, -1]  # (A, V)
         model.train(was_training)
 
         lengths = lengths.tolist()

@@ -7,9 +7,13 @@
   log-probs equal a full forward over each finished sequence, and greedy
   decoding picks each step's argmax of that forward.
 - draw_tokens (inverse CDF): its frequencies match p, and a token of
-  probability 0 is never drawn.
+  probability 0 is never drawn; its two-level CDF picks the tokens one
+  cumulative sum over the vocabulary picks for the same uniforms, with the
+  log-probs of a log-softmax.
 - tiled_head (rollout.py): the LM head in weight tiles gives the plain head's
   logits, and the engine the same completions and log-probs.
+- leave_batch (rollout.py): rows that have ended leave the decode batch, with
+  the same completions and log-probs as a batch that keeps them.
 
 The model is a tiny Qwen2 with 2 KV heads for 4 query heads (head_dim 32), as
 SmolLM2 and Qwen2.5 group theirs.
@@ -125,7 +129,7 @@ def test_draw_tokens_matches_the_distribution():
     logps = probs.log()  # -inf at the filtered tokens
     draws = 100_000
     torch.manual_seed(0)
-    tokens = torch.stack([draw_tokens(logps) for _ in range(draws)])  # (draws, 2)
+    tokens = torch.stack([draw_tokens(logps.clone())[0] for _ in range(draws)])  # (draws, 2)
 
     # the 0.999 quantile of chi-square with 4 and 3 degrees of freedom
     critical = {4: 18.47, 3: 16.27}
@@ -141,6 +145,42 @@ def test_draw_tokens_matches_the_distribution():
     shifted = torch.bincount((tokens[:, 0] + 1).clamp(max=5), minlength=6).double()[:5]
     expected = draws * probs[0][:5].double()
     assert ((shifted - expected) ** 2 / expected).sum().item() > 1000
+
+
+def one_cumulative_sum(scores):
+    """The sampler draw_tokens replaced: one fp64 cumulative sum over V."""
+    cdf = scores.log_softmax(-1).exp().double().cumsum(-1)  # (N, V)
+    u = torch.rand(cdf.shape[0], 1, dtype=cdf.dtype) * cdf[:, -1:]  # (N, 1)
+    return torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=cdf.shape[1] - 1)
+
+
+@pytest.mark.parametrize("V", [1000, 49152])
+def test_two_level_cdf_draws_the_tokens_of_one_cumulative_sum(V):
+    """The same uniforms pick the same tokens. A vocabulary of 1000 leaves a
+    short last block (CDF_BLOCK 256); some tokens are filtered (-inf)."""
+    gen = torch.Generator().manual_seed(0)
+    scores = 4 * torch.randn(512, V, generator=gen)  # (N, V)
+    scores[torch.rand(512, V, generator=gen) < 0.3] = -torch.inf
+    # a row whose mass is all in the short last block
+    scores[0, : V - 5] = -torch.inf
+
+    torch.manual_seed(1)
+    expected = one_cumulative_sum(scores)
+    torch.manual_seed(1)
+    tokens, logps = draw_tokens(scores.clone())
+
+    assert torch.equal(tokens, expected)
+    assert torch.isfinite(scores.gather(1, tokens[:, None])).all()
+    exact = scores.double().log_softmax(-1).gather(1, tokens[:, None])[:, 0]  # (N,)
+    assert (logps.double() - exact).abs().max() < 1e-6
+
+    # greedy: the argmax and its log-prob, no uniform drawn
+    state = torch.get_rng_state()
+    tokens, logps = draw_tokens(scores.clone(), greedy=True)
+    assert torch.equal(tokens, scores.argmax(-1))
+    exact = scores.double().log_softmax(-1).gather(1, tokens[:, None])[:, 0]  # (N,)
+    assert (logps.double() - exact).abs().max() < 1e-6
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_tiled_head_gives_the_plain_heads_logits(grouped, monkeypatch):
@@ -184,3 +224,27 @@ def test_tiled_head_keeps_the_engines_samples(grouped, monkeypatch):
     assert torch.equal(tiled.completion_ids, plain.completion_ids)
     mask = plain.completion_mask.bool()
     assert (tiled.sampling_logps - plain.sampling_logps)[mask].abs().max() < 1e-5
+
+
+def test_ended_rows_leave_the_batch_with_the_same_samples(grouped, monkeypatch):
+    _, policy, tokenizer, prompt_ids = grouped
+    kept = []
+
+    def leave_batch(ended):
+        keep = rollout_leave_batch(ended)
+        kept.append(len(ended) if keep is None else len(keep))
+        return keep
+
+    rollout_leave_batch = rollout.leave_batch
+    monkeypatch.setattr(rollout, "leave_batch", leave_batch)
+    # a high temperature: rows end at many lengths
+    leaving = HFEngine(policy, tokenizer, seed=0).generate(prompt_ids, 4, 40, temperature=1.5)
+    # the check has power: the batch shrank, and some rows ran to the end
+    assert min(kept) < 3 * 4 and not leaving.is_finished.all()
+
+    monkeypatch.setattr(rollout, "leave_batch", lambda ended: None)
+    staying = HFEngine(policy, tokenizer, seed=0).generate(prompt_ids, 4, 40, temperature=1.5)
+
+    assert torch.equal(leaving.completion_ids, staying.completion_ids)
+    mask = staying.completion_mask.bool()
+    assert (leaving.sampling_logps - staying.sampling_logps)[mask].abs().max() < 1e-5
