@@ -40,6 +40,7 @@ Simplifications:
    prompt's prefix: a second forward before the backward breaks FSDP2's backward
    (its resharded weights).
 """
+import contextlib
 import glob
 import json
 import os
@@ -283,10 +284,12 @@ def prompt_batch(prompt_ids, pad_id):
     return (*sequence_batch(prompts, no_completions, pad_id), prompt_row)
 
 
-def completion_logits(model, prompts, rows, completion_ids, dtype=torch.float32):
+def completion_logits(model, prompts, rows, completion_ids, dtype=torch.float32, kept=None):
     """Logits (n, T, V) that predict completion_ids (n, T), autocast to dtype.
 
     completion_ids are the completions of `rows`, a slice of the rollout.
+    kept (n, T) bool, optional: the positions whose logits count. The MLPs
+    then skip the others (packed_mlps), whose logits are not the model's.
     Prefix sharing: the G completions of a prompt share its forward. That is
     B*(P-1) + n*T tokens instead of n*(P+T), with the same logits and gradients
     to rounding (tests/test_prefix_sharing.py). FSDP2 models run whole sequences
@@ -351,9 +354,16 @@ def completion_logits(model, prompts, rows, completion_ids, dtype=torch.float32)
         forward = model
         if torch.is_grad_enabled() and not isinstance(model, DistributedDataParallel):
             forward = tied_head_apart(model)
-        return forward(input_ids=input_ids, attention_mask=attention_mask,
-                       position_ids=position_ids, past_key_values=cache, use_cache=False,
-                       logits_to_keep=T).logits  # (n, T, V)
+
+        # the MLPs on the kept positions only: input position t predicts
+        # completion token t (the prefix shared; FSDP2 runs whole sequences)
+        packing = contextlib.nullcontext()
+        if kept is not None and input_ids.shape[1] == T:
+            packing = packed_mlps(model, kept)
+        with packing:
+            return forward(input_ids=input_ids, attention_mask=attention_mask,
+                           position_ids=position_ids, past_key_values=cache,
+                           use_cache=False, logits_to_keep=T).logits  # (n, T, V)
 
 
 def fusable_head(model):
@@ -380,6 +390,48 @@ def head_off(model):
         del head.forward
 
 
+@contextmanager
+def packed_mlps(model, kept):
+    """Within it, each decoder layer's MLP runs on the positions kept marks
+    ((n, L) bool) of an (n, L, d) input, and gives 0 at the others. Inputs of
+    another shape run as they are.
+
+    Why: a micro-batch's completions are padded to its longest, and the MLP
+    (two thirds of a Llama or Qwen layer's weights) would multiply the padding
+    too: a seventh of bench real's positions. A padded position comes after
+    every real one of its row, so no real position attends to it: the kept
+    positions' outputs are the same, to rounding (tests/test_prefix_sharing.py).
+    A no-op where the layers are recomputed in the backward
+    (--gradient-checkpointing): the replay runs after the context ends, and
+    must repeat the forward's shapes.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    mlps = [layer.mlp for layer in layers
+            if isinstance(getattr(layer, "mlp", None), torch.nn.Module)
+            and not _is_recomputed(layer)]
+    index = kept.flatten().nonzero()[:, 0]  # (k,) the kept positions of n * L
+
+    for mlp in mlps:
+        # an instance attribute: nn.Module.__call__ finds it before the class's
+        mlp.forward = partial(_packed_mlp, type(mlp).forward.__get__(mlp), kept.shape, index)
+    try:
+        yield
+    finally:
+        for mlp in mlps:
+            del mlp.forward
+
+
+def _packed_mlp(forward, shape, index, x):  # x (n, L, d)
+    if x.shape[:2] != shape:
+        return forward(x)
+    rows = x.reshape(-1, x.shape[-1])  # (n * L, d)
+    out = forward(rows.index_select(0, index))  # (k, d)
+    packed = out.new_zeros(len(rows), out.shape[-1])  # (n * L, d)
+    return packed.index_copy(0, index, out).view(*x.shape[:-1], out.shape[-1])  # (n, L, d)
+
+
 def completion_logps(model, prompts, rows, completion_ids, completion_mask, temperature):
     """Log-probs (n, T) of completion_ids under model, fp32, 0 at padding: the
     model's forward as completion_logits's, then the LM head and the log-prob
@@ -392,9 +444,10 @@ def completion_logps(model, prompts, rows, completion_ids, completion_mask, temp
     Only where fusable_head(model); the loss must need nothing but the
     log-probs (no entropy, no truncated sampling).
     """
-    with head_off(model):
-        hidden = completion_logits(model, prompts, rows, completion_ids)  # (n, T, d)
     kept = completion_mask.bool()  # (n, T)
+    with head_off(model):
+        hidden = completion_logits(model, prompts, rows, completion_ids,
+                                   kept=kept)  # (n, T, d)
 
     weight = model.get_output_embeddings().weight  # (V, d)
     kept_logps = HeadLogps.apply(hidden[kept], weight, completion_ids[kept],
@@ -547,6 +600,12 @@ def recompute_layers(model):
     for layer in layers:
         layer.forward = partial(_checkpointed, layer.forward)
     return len(layers)
+
+
+def _is_recomputed(layer):
+    """Whether recompute_layers checkpointed this decoder layer."""
+    forward = vars(layer).get("forward")
+    return isinstance(forward, partial) and forward.func is _checkpointed
 
 
 def _checkpointed(forward, *args, **kwargs):
