@@ -553,33 +553,41 @@ def most_on_any_rank(value, device):
 
 def preallocated_cache(model, prefill_cache, rows, length):
     """The prompts' KV cache (B rows), copied to the completions' rows (N,) of
-    a StaticCache of `length` positions.
+    a StaticCache of `length` positions -> (the cache, whether attention may
+    run over its filled slots only).
 
     Each decode step writes its token's keys and values in place; a growing
-    DynamicCache would copy the whole cache a step (torch.cat). Attention runs
-    over all `length` slots, the unfilled ones masked.
+    DynamicCache would copy the whole cache a step (torch.cat). A full-attention
+    layer returns its filled slots only (the prompt and the tokens so far), so
+    that attention reads no unfilled ones; the decode step's mask is then
+    (A, 1, 1, filled), 4D, which transformers passes on as it is. With
+    sliding-window layers (their own lengths) attention runs over all `length`
+    slots, the unfilled ones masked.
     """
     from transformers import StaticCache
     from transformers.cache_utils import StaticLayer
 
-    class CastingLayer(StaticLayer):
-        # under autocast the prompt's keys can come out fp32 (RoPE's fp32
-        # tables) and a decode step's bf16: stored in the first one's dtype,
-        # as torch.cat would promote them
+    class FilledLayer(StaticLayer):
         def update(self, key_states, value_states, *args, **kwargs):
+            # under autocast the prompt's keys can come out fp32 (RoPE's fp32
+            # tables) and a decode step's bf16: stored in the first one's
+            # dtype, as torch.cat would promote them
             if self.is_initialized:
                 key_states = key_states.to(self.keys.dtype)
                 value_states = value_states.to(self.values.dtype)
-            return super().update(key_states, value_states, *args, **kwargs)
+            keys, values = super().update(key_states, value_states, *args, **kwargs)
+            filled = int(self.cumulative_length)
+            return keys[:, :, :filled], values[:, :, :filled]
 
     cache = StaticCache(config=model.config, max_cache_len=length)
     # (a sliding-window layer keeps its own class)
-    cache.layers = [CastingLayer(max_cache_len=length) if type(layer) is StaticLayer else layer
+    cache.layers = [FilledLayer(max_cache_len=length) if type(layer) is StaticLayer else layer
                     for layer in cache.layers]
     for i, layer in enumerate(prefill_cache.layers):
         # (N, H_kv, P, d) each
         cache.update(layer.keys[rows], layer.values[rows], i)
-    return cache
+    filled_only = all(type(layer) is FilledLayer for layer in cache.layers)
+    return cache, filled_only
 
 
 def leave_batch(ended):
@@ -707,7 +715,8 @@ class HFEngine(Engine):
             steps = max_new_tokens
             if synced:
                 steps = most_on_any_rank(max_new_tokens, ids.device)
-            cache = preallocated_cache(model, out.past_key_values, rows, P + steps)
+            cache, filled_only = preallocated_cache(model, out.past_key_values, rows,
+                                                    P + steps)
             # (N, P) the tokens so far, a real token in place of each pad
             seen = torch.where(mask.bool(), ids, ids[:, -1:])[rows]
             # (N, P + steps): a new token's slot is unmasked as it enters
@@ -756,7 +765,10 @@ class HFEngine(Engine):
                                                         (token, seen, full_mask, last))
 
                     full_mask[:, P + t] = 1
-                    logits = model(input_ids=token[:, None], attention_mask=full_mask,
+                    step_mask = full_mask  # (A, P + steps)
+                    if filled_only:
+                        step_mask = full_mask[:, None, None, :P + t + 1].bool()  # (A, 1, 1, P+t+1)
+                    logits = model(input_ids=token[:, None], attention_mask=step_mask,
                                    past_key_values=cache, position_ids=last + t + 1,
                                    use_cache=True).logits[:, -1]  # (A, V)
         model.train(was_training)

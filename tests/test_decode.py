@@ -3,9 +3,10 @@
 - sdpa_gqa_attention (model.py): grouped KV heads passed to SDPA as they are,
   against transformers' "sdpa", which repeats them: the same logits and
   gradients, left-padded, prefix shared.
-- the preallocated KV cache (rollout.preallocated_cache): the sampler's
-  log-probs equal a full forward over each finished sequence, and greedy
-  decoding picks each step's argmax of that forward.
+- the preallocated KV cache (rollout.preallocated_cache), attention over its
+  filled slots only: the sampler's log-probs equal a full forward over each
+  finished sequence, and greedy decoding picks each step's argmax of that
+  forward.
 - draw_tokens (inverse CDF): its frequencies match p, and a token of
   probability 0 is never drawn; its two-level CDF picks the tokens one
   cumulative sum over the vocabulary picks for the same uniforms, with the
