@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 
 from common import all_ranks_ok, private_rng, unwrap
 from lora import full_named_parameters, merged_adapters
-from model import kept_tokens, pad_id, sequence_batch, truncates
+from model import GQA_ATTENTION, SharedPrefix, kept_tokens, pad_id, sequence_batch, truncates
 
 
 @dataclass
@@ -554,7 +554,8 @@ def most_on_any_rank(value, device):
 def preallocated_cache(model, prefill_cache, rows, length):
     """The prompts' KV cache (B rows), copied to the completions' rows (N,) of
     a StaticCache of `length` positions -> (the cache, whether attention may
-    run over its filled slots only).
+    run over its filled slots only). prefill_cache None: an empty cache, for
+    the completions' own keys and values (SharedPrefix holds the prompts').
 
     Each decode step writes its token's keys and values in place; a growing
     DynamicCache would copy the whole cache a step (torch.cat). A full-attention
@@ -583,11 +584,23 @@ def preallocated_cache(model, prefill_cache, rows, length):
     # (a sliding-window layer keeps its own class)
     cache.layers = [FilledLayer(max_cache_len=length) if type(layer) is StaticLayer else layer
                     for layer in cache.layers]
-    for i, layer in enumerate(prefill_cache.layers):
+    for i, layer in enumerate(getattr(prefill_cache, "layers", [])):
         # (N, H_kv, P, d) each
         cache.update(layer.keys[rows], layer.values[rows], i)
     filled_only = all(type(layer) is FilledLayer for layer in cache.layers)
     return cache, filled_only
+
+
+def shares_prefix(model, prefill_cache, dtype):
+    """Whether the HF engine's decode steps attend through SharedPrefix: our
+    grouped attention (the CPU's, sdpa_gqa_attention), full-attention layers
+    only, and fp32 (no autocast: the prompts' and the completions' keys in one
+    dtype)."""
+    from transformers.cache_utils import DynamicLayer
+
+    return (model.config._attn_implementation == GQA_ATTENTION
+            and all(type(layer) is DynamicLayer for layer in prefill_cache.layers)
+            and dtype == torch.float32)
 
 
 def leave_batch(ended):
@@ -715,8 +728,15 @@ class HFEngine(Engine):
             steps = max_new_tokens
             if synced:
                 steps = most_on_any_rank(max_new_tokens, ids.device)
-            cache, filled_only = preallocated_cache(model, out.past_key_values, rows,
-                                                    P + steps)
+            # on the CPU in fp32, a prompt's keys and values are kept once for
+            # its n rows (SharedPrefix); else each row gets a copy
+            prefix = None
+            if shares_prefix(model, out.past_key_values, self.dtype):
+                prefix = SharedPrefix(out.past_key_values, mask.bool(), rows)
+                cache, filled_only = preallocated_cache(model, None, rows, steps)
+            else:
+                cache, filled_only = preallocated_cache(model, out.past_key_values, rows,
+                                                        P + steps)
             # (N, P) the tokens so far, a real token in place of each pad
             seen = torch.where(mask.bool(), ids, ids[:, -1:])[rows]
             # (N, P + steps): a new token's slot is unmasked as it enters
@@ -761,16 +781,24 @@ class HFEngine(Engine):
                     if keep is not None:
                         active = active[keep]  # (A',)
                         cache.reorder_cache(keep)
+                        if prefix is not None:
+                            prefix.keep(keep)
                         token, seen, full_mask, last = (x[keep] for x in
                                                         (token, seen, full_mask, last))
 
                     full_mask[:, P + t] = 1
                     step_mask = full_mask  # (A, P + steps)
-                    if filled_only:
+                    extra = {}
+                    if prefix is not None:
+                        # the completions' own slots, all attended; the prompts'
+                        # come from the prefix
+                        step_mask = full_mask[:, None, None, P:P + t + 1].bool()  # (A, 1, 1, t+1)
+                        extra = dict(shared_prefix=prefix)
+                    elif filled_only:
                         step_mask = full_mask[:, None, None, :P + t + 1].bool()  # (A, 1, 1, P+t+1)
                     logits = model(input_ids=token[:, None], attention_mask=step_mask,
                                    past_key_values=cache, position_ids=last + t + 1,
-                                   use_cache=True).logits[:, -1]  # (A, V)
+                                   use_cache=True, **extra).logits[:, -1]  # (A, V)
         model.train(was_training)
 
         lengths = lengths.tolist()

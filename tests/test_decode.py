@@ -4,7 +4,8 @@
   against transformers' "sdpa", which repeats them: the same logits and
   gradients, left-padded, prefix shared.
 - the preallocated KV cache (rollout.preallocated_cache), attention over its
-  filled slots only: the sampler's log-probs equal a full forward over each
+  filled slots only, each prompt's keys and values once for its rows
+  (model.SharedPrefix, against SDPA over each row's whole sequence): the sampler's log-probs equal a full forward over each
   finished sequence, and greedy decoding picks each step's argmax of that
   forward.
 - draw_tokens (inverse CDF): its frequencies match p, and a token of
@@ -26,7 +27,8 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from helpers import PROMPTS
-from model import completion_logits, load_model, prompt_batch, selective_log_softmax
+from model import (SharedPrefix, completion_logits, load_model, prompt_batch,
+                   selective_log_softmax)
 import rollout
 from rollout import HFEngine, draw_tokens, tiled_head
 from task import build_tokenizer
@@ -88,6 +90,48 @@ def test_grouped_attention_equals_repeated_heads(grouped):
         assert (a - b).abs().max() < 1e-5
 
 
+def test_shared_prefix_attends_as_each_rows_whole_sequence():
+    """SharedPrefix.attend: 3 prompts (left-padded, 2 KV heads for 6 query
+    heads), their rows' completions of 5 tokens; then with rows dropped, so
+    that prompts have 3, 1 and 2 rows."""
+    from types import SimpleNamespace
+
+    gen = torch.Generator().manual_seed(0)
+    B, H_kv, H, P, L, d = 3, 2, 6, 7, 5, 32
+    layer = SimpleNamespace(keys=torch.randn(B, H_kv, P, d, generator=gen),
+                            values=torch.randn(B, H_kv, P, d, generator=gen))
+    prompt_mask = torch.ones(B, P, dtype=torch.bool)
+    prompt_mask[1, :3] = False  # left padding
+    prompt_mask[2, :6] = False
+    prompt_of = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2])  # (A,)
+    prefix = SharedPrefix(SimpleNamespace(layers=[layer]), prompt_mask, prompt_of)
+
+    def expected(rows, query, keys, values):
+        # each row's prompt copied, the padding masked, one SDPA
+        own = prompt_of[rows]
+        whole_keys = torch.cat([layer.keys[own], keys], 2)  # (A, H_kv, P + L, d)
+        whole_values = torch.cat([layer.values[own], values], 2)
+        mask = torch.cat([prompt_mask[own], torch.ones(len(rows), L, dtype=torch.bool)], 1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, whole_keys, whole_values, attn_mask=mask[:, None, None], scale=0.3,
+            enable_gqa=True)  # (A, H, 1, d)
+        return out.transpose(1, 2)  # (A, 1, H, d)
+
+    rows = torch.arange(len(prompt_of))
+    for keep in (None, torch.tensor([0, 2, 3, 5, 6, 7])):
+        if keep is not None:
+            prefix.keep(keep)
+            rows = rows[keep]
+        A = len(rows)
+        query = torch.randn(A, H, 1, d, generator=gen)
+        keys = torch.randn(A, H_kv, L, d, generator=gen)
+        values = torch.randn(A, H_kv, L, d, generator=gen)
+        got = prefix.attend(0, query, keys, values, 0.3)
+        assert got.shape == (A, 1, H, d)
+        torch.testing.assert_close(got, expected(rows, query, keys, values),
+                                   atol=1e-6, rtol=1e-5)
+
+
 def full_forward_logps(model, rollout, temperature):
     """Each finished sequence in one forward, no cache -> ((N, T) log-probs of
     the sampled tokens, (N, T) argmax tokens), 0 where masked."""
@@ -110,8 +154,15 @@ def full_forward_logps(model, rollout, temperature):
 def test_preallocated_cache_decodes_as_a_full_forward(grouped, temperature):
     _, policy, tokenizer, prompt_ids = grouped
     engine = HFEngine(policy, tokenizer, seed=0)
-    rollout = engine.generate(prompt_ids, 1 if temperature == 0 else 3, 24,
-                              temperature=temperature)
+    # the decode steps attend through SharedPrefix
+    attended = []
+    attend = SharedPrefix.attend
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SharedPrefix, "attend",
+                      lambda self, *args: attended.append(1) or attend(self, *args))
+        rollout = engine.generate(prompt_ids, 1 if temperature == 0 else 3, 24,
+                                  temperature=temperature)
+    assert attended
     mask = rollout.completion_mask.bool()
     # long enough that the cache fills well past the prompts
     assert rollout.completion_mask.sum(1).max() >= 16
