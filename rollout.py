@@ -155,11 +155,9 @@ def draw_tokens(scores, greedy=False, uniforms=None):
     """
     N, V = scores.shape
     top = scores.amax(-1, keepdim=True)  # (N, 1)
+    # log p = s - max - log(sum exp(s - max)): s - max of the chosen token
     if greedy:
         token = scores.argmax(-1)  # (N,)
-    # log p = s - max - log(sum exp(s - max))
-    chosen_minus_top = None
-    if greedy:
         chosen_minus_top = scores.gather(1, token[:, None]) - top  # (N, 1)
 
     weights = scores.sub_(top).exp_()  # (N, V) unnormalised p, in place
