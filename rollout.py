@@ -192,27 +192,32 @@ def _inverse_cdf(weights, block_cdf, u):
     """The token u (N, 1) in [0, total mass) picks in each row: first its block,
     then the token in it."""
     V = weights.shape[1]
-    blocks = block_cdf.shape[1]
+    size = min(CDF_BLOCK, V)
 
-    # the first block whose cumulative mass exceeds u (u < total: one exists,
-    # and it has mass)
-    block = torch.searchsorted(block_cdf, u, right=True).clamp(max=blocks - 1)  # (N, 1)
+    # the first block whose cumulative mass exceeds u. u < total, so one
+    # exists and has mass; where rounding puts u at the total, the last block
+    # of mass (the first whose sum is the total)
+    block = torch.searchsorted(block_cdf, u, right=True)  # (N, 1)
+    last_block = (block_cdf < block_cdf[:, -1:]).sum(-1, keepdim=True)  # (N, 1)
+    block = torch.minimum(block, last_block)
     before = block_cdf.gather(1, (block - 1).clamp(min=0))  # (N, 1)
     before = torch.where(block > 0, before, 0.0)
     # u's place in the block, >= 0 as block_cdf[block - 1] <= u
     u_in = u - before  # (N, 1)
 
     # the block's tokens (the last block's padding: weight 0)
-    offsets = torch.arange(CDF_BLOCK, device=weights.device)
-    index = block * CDF_BLOCK + offsets  # (N, CDF_BLOCK)
-    block_weights = weights.gather(1, index.clamp(max=V - 1)) * (index < V)  # (N, CDF_BLOCK)
-    cdf = block_weights.double().cumsum(-1)  # (N, CDF_BLOCK)
+    offsets = torch.arange(size, device=weights.device)
+    index = block * CDF_BLOCK + offsets  # (N, size)
+    block_weights = weights.gather(1, index.clamp(max=V - 1)) * (index < V)  # (N, size)
+    cdf = block_weights.double().cumsum(-1)  # (N, size)
     token = torch.searchsorted(cdf, u_in, right=True)  # (N, 1)
 
-    # rounding can leave u_in at or past the block's last sum: then its last
-    # token of mass
-    last = (block_weights > 0).cumsum(-1).argmax(-1, keepdim=True)  # (N, 1)
-    token = torch.minimum(token, last)
+    # the first sum past u_in has mass; rounding can leave u_in at or past the
+    # block's last sum (no such token): then its last token of mass
+    past = token >= size  # (N, 1)
+    if past.any():
+        last = (block_weights > 0).cumsum(-1).argmax(-1, keepdim=True)  # (N, 1)
+        token = torch.where(past, last, token)
     return (index.gather(1, token))[:, 0]  # (N,)
 
 

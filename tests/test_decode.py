@@ -235,6 +235,19 @@ def test_two_level_cdf_draws_the_tokens_of_one_cumulative_sum(V):
     assert torch.equal(torch.get_rng_state(), state)
 
 
+def test_a_uniform_at_the_top_of_a_row_draws_its_last_token_of_mass():
+    """u rounded up to the row's total mass (u < total in exact arithmetic):
+    the last token with mass, never a filtered one after it."""
+    from rollout import _block_sums, _inverse_cdf
+
+    weights = torch.rand(2, 600, generator=torch.Generator().manual_seed(0))  # (N, V)
+    weights[0, 400:] = 0  # filtered tokens after the last of mass
+    weights[1, 597:] = 0
+    block_cdf = _block_sums(weights).double().cumsum(-1)  # (N, blocks)
+    u = block_cdf[:, -1:].clone()  # (N, 1) the total itself
+    assert torch.equal(_inverse_cdf(weights, block_cdf, u), torch.tensor([399, 596]))
+
+
 def test_tiled_head_gives_the_plain_heads_logits(grouped, monkeypatch):
     _, policy, _, _ = grouped
     head = policy.get_output_embeddings()
