@@ -12,7 +12,9 @@ the forward that turns a rollout into the logits and log-probs the loss needs.
     kept_tokens(scores, ...)       the tokens top-k / top-p / min-p keep (both engines)
     truncate_logits(logits, ids, ...)  the sampler's support replayed on the trainer's logits
     sequence_logps(model, ...)     (N, T) log-probs of the completions, by micro-batch
-    completion_logps(model, ...)   the update's log-probs, LM head and log-prob fused (CPU, fp32)
+    completion_logps(model, ...)   the update's log-probs, LM head and log-prob fused (CPU, fp32),
+                                   the MLPs on the real tokens only (packed_mlps)
+    SharedPrefix                   the HF engine's decode attention, each prompt's keys once (CPU)
     auto_micro_batch(...)          completions per forward when --micro-batch-size is 0
 
 Mixed precision, as PyTorch users expect: the policy's weights, gradients and

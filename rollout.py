@@ -23,7 +23,8 @@ Simplifications:
    prompt's and completion's tokens), the temperature, min-p, top-k, then top-p
    over what is left. Greedy applies the penalty only.
 5. HFEngine is gpt-fast's decode loop, a prompt's forward shared by its G
-   completions. No paging.
+   completions (on the CPU its keys and values too: model.SharedPrefix).
+   Rows that end leave the batch. No paging.
 6. VLLMEngine.close() tears down vLLM's global state and the default process
    group: close it last.
 7. On CPU, VLLMEngine sizes the KV cache to the work: max_rows sequences of
