@@ -555,24 +555,23 @@ def most_on_any_rank(value, device):
     return int(most.item())
 
 
-def preallocated_cache(model, prefill_cache, rows, length):
+def preallocated_cache(model, prefill_cache, rows, length, filled_only):
     """The prompts' KV cache (B rows), copied to the completions' rows (N,) of
-    a StaticCache of `length` positions -> (the cache, whether attention may
-    run over its filled slots only). prefill_cache None: an empty cache, for
-    the completions' own keys and values (SharedPrefix holds the prompts').
+    a StaticCache of `length` positions. prefill_cache None: an empty cache,
+    for the completions' own keys and values (SharedPrefix holds the prompts').
 
     Each decode step writes its token's keys and values in place; a growing
-    DynamicCache would copy the whole cache a step (torch.cat). A full-attention
-    layer returns its filled slots only (the prompt and the tokens so far), so
-    that attention reads no unfilled ones; the decode step's mask is then
-    (A, 1, 1, filled), 4D, which transformers passes on as it is. With
-    sliding-window layers (their own lengths) attention runs over all `length`
-    slots, the unfilled ones masked.
+    DynamicCache would copy the whole cache a step (torch.cat). filled_only
+    (every layer full attention): a layer returns its filled slots only (the
+    prompt and the tokens so far), so that attention reads no unfilled ones;
+    the decode step's mask is then (A, 1, 1, filled), 4D, which transformers
+    passes on as it is. Else (sliding-window layers have their own lengths)
+    attention runs over all `length` slots, the unfilled ones masked.
     """
     from transformers import StaticCache
     from transformers.cache_utils import StaticLayer
 
-    class FilledLayer(StaticLayer):
+    class DecodeLayer(StaticLayer):
         def update(self, key_states, value_states, *args, **kwargs):
             # under autocast the prompt's keys can come out fp32 (RoPE's fp32
             # tables) and a decode step's bf16: stored in the first one's
@@ -581,30 +580,35 @@ def preallocated_cache(model, prefill_cache, rows, length):
                 key_states = key_states.to(self.keys.dtype)
                 value_states = value_states.to(self.values.dtype)
             keys, values = super().update(key_states, value_states, *args, **kwargs)
+            if not filled_only:
+                return keys, values
             filled = int(self.cumulative_length)
             return keys[:, :, :filled], values[:, :, :filled]
 
     cache = StaticCache(config=model.config, max_cache_len=length)
     # (a sliding-window layer keeps its own class)
-    cache.layers = [FilledLayer(max_cache_len=length) if type(layer) is StaticLayer else layer
+    cache.layers = [DecodeLayer(max_cache_len=length) if type(layer) is StaticLayer else layer
                     for layer in cache.layers]
     for i, layer in enumerate(getattr(prefill_cache, "layers", [])):
         # (N, H_kv, P, d) each
         cache.update(layer.keys[rows], layer.values[rows], i)
-    filled_only = all(type(layer) is FilledLayer for layer in cache.layers)
-    return cache, filled_only
+    return cache
 
 
-def shares_prefix(model, prefill_cache, dtype):
-    """Whether the HF engine's decode steps attend through SharedPrefix: our
-    grouped attention (the CPU's, sdpa_gqa_attention), full-attention layers
-    only, and fp32 (no autocast: the prompts' and the completions' keys in one
-    dtype)."""
+def full_attention(prefill_cache):
+    """Whether every layer of a prefill's DynamicCache attends to the whole
+    sequence (no sliding window)."""
     from transformers.cache_utils import DynamicLayer
 
-    return (model.config._attn_implementation == GQA_ATTENTION
-            and all(type(layer) is DynamicLayer for layer in prefill_cache.layers)
-            and dtype == torch.float32)
+    return all(type(layer) is DynamicLayer for layer in prefill_cache.layers)
+
+
+def shares_prefix(model, dtype):
+    """Whether the HF engine's decode steps (of a full-attention model) attend
+    through SharedPrefix: our grouped attention (the CPU's,
+    sdpa_gqa_attention), and fp32 (no autocast: the prompts' and the
+    completions' keys in one dtype)."""
+    return model.config._attn_implementation == GQA_ATTENTION and dtype == torch.float32
 
 
 def leave_batch(ended):
@@ -734,13 +738,14 @@ class HFEngine(Engine):
                 steps = most_on_any_rank(max_new_tokens, ids.device)
             # on the CPU in fp32, a prompt's keys and values are kept once for
             # its n rows (SharedPrefix); else each row gets a copy
+            filled_only = full_attention(out.past_key_values)
             prefix = None
-            if shares_prefix(model, out.past_key_values, self.dtype):
+            if filled_only and shares_prefix(model, self.dtype):
                 prefix = SharedPrefix(out.past_key_values, mask.bool(), rows)
-                cache, filled_only = preallocated_cache(model, None, rows, steps)
+                cache = preallocated_cache(model, None, rows, steps, filled_only)
             else:
-                cache, filled_only = preallocated_cache(model, out.past_key_values, rows,
-                                                        P + steps)
+                cache = preallocated_cache(model, out.past_key_values, rows, P + steps,
+                                           filled_only)
             # (N, P) the tokens so far, a real token in place of each pad
             seen = torch.where(mask.bool(), ids, ids[:, -1:])[rows]
             # (N, P + steps): a new token's slot is unmasked as it enters

@@ -173,6 +173,53 @@ def test_preallocated_cache_decodes_as_a_full_forward(grouped, temperature):
         assert torch.equal(rollout.completion_ids[mask], argmax[mask])
 
 
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """A model with a full-attention and a sliding-window layer (window 4, less
+    than the sequences) -> (its sampled rollout, the policy)."""
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=32, max_position_embeddings=128, use_sliding_window=True,
+                         sliding_window=4, layer_types=["full_attention", "sliding_attention"],
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    path = str(tmp_path_factory.mktemp("mixed"))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    policy = load_model(path, torch.float32, torch.device("cpu")).eval()
+
+    # prompts of 4, 3 and 2 tokens: the last two left-padded
+    prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
+    assert [len(p) for p in prompt_ids] == [4, 3, 2]
+    rollout = HFEngine(policy, tokenizer, seed=0).generate(prompt_ids, 3, 12, temperature=1.0)
+    assert rollout.completion_mask.sum(1).max() > 4  # past the window
+    return rollout, policy
+
+
+def test_a_sliding_window_layer_decodes_as_a_full_forward(mixed):
+    """The cache keeps every slot there (not the filled ones only, nor
+    SharedPrefix): the unpadded prompt's rows' log-probs equal a full forward's."""
+    rollout, policy = mixed
+    logps, _ = full_forward_logps(policy, rollout, 1.0)
+    mask = rollout.completion_mask.bool()
+    mask[3:] = False  # the first prompt's 3 rows
+    assert (rollout.sampling_logps - logps)[mask].abs().max() < 1e-5
+
+
+@pytest.mark.xfail(strict=True, reason="known: with a sliding-window layer, the HF engine's "
+                   "left-padded rows differ from a full forward (up to 0.08 here; so at "
+                   "f8de745 too); not traced yet")
+def test_a_sliding_window_layer_decodes_left_padded_rows_as_a_full_forward(mixed):
+    rollout, policy = mixed
+    logps, _ = full_forward_logps(policy, rollout, 1.0)
+    mask = rollout.completion_mask.bool()
+    assert (rollout.sampling_logps - logps)[mask].abs().max() < 1e-5
+
+
 def test_draw_tokens_matches_the_distribution():
     """200,000 draws from 2 rows: a chi-square test per row at p = 0.001 (a
     fixed seed: the same draws each run), and never a filtered token."""
