@@ -12,6 +12,7 @@ It imports nothing from the project.
     mark(phase), startup_line  how long each start-up phase took
     step_line(record)          the one line printed per step
     private_rng(seed), unwrap  a seeded stretch of the global RNGs; the module under DDP
+    forwards_replaced(pairs)   modules' forwards swapped for functions while a context lasts
     release_free_memory()      hand the C heap's free pages back to the system (glibc)
 """
 import ctypes
@@ -35,6 +36,20 @@ rank = int(os.environ.get("RANK", 0))
 world = int(os.environ.get("WORLD_SIZE", 1))
 master = rank == 0
 ddp = world > 1
+
+
+@contextmanager
+def forwards_replaced(pairs):
+    """Within it, each (module, function) pair's module runs function as its
+    forward; its class's forward again after. The function is an instance
+    attribute, which nn.Module.__call__ finds before the class's method."""
+    for module, forward in pairs:
+        module.forward = forward
+    try:
+        yield
+    finally:
+        for module, _ in pairs:
+            del module.forward
 
 
 def cause(e):

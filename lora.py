@@ -25,13 +25,12 @@ Simplifications:
    block), not just the changed matrices: vLLM fuses them (see lora_parameters).
 """
 import os
-from contextlib import contextmanager
 from functools import partial
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from common import require, unwrap
+from common import forwards_replaced, require, unwrap
 
 ADAPTER = "default"  # peft's name for the one adapter we train
 
@@ -131,7 +130,6 @@ class AdaptersOff:
             return self.model(**inputs)
 
 
-@contextmanager
 def merged_adapters(model):
     """Within it, each adapted Linear of a LoRA policy on the CPU runs as one
     matmul of its merged weight W + scale * B A: the weights a sync sends the
@@ -142,7 +140,7 @@ def merged_adapters(model):
     layer adds two skinny matmuls (K = r), a scale and an add to each base
     matmul, and their Python. The merged weights cost one copy of the adapted
     weights while the context lasts, computed once. The same log-probs to
-    rounding (tests/test_decode.py). Elsewhere (not LoRA, a GPU, where that copy
+    rounding (tests/test_lora.py). Elsewhere (not LoRA, a GPU, where that copy
     takes accelerator memory, or with gradients) the layers are left as they are.
     """
     layers = []
@@ -152,16 +150,12 @@ def merged_adapters(model):
         layers = [m for m in model.modules()
                   if type(m) is Linear and m.get_base_layer().weight.device.type == "cpu"]
 
+    merged = []
     for layer in layers:
         base = layer.get_base_layer()
-        merged = base.weight + layer.get_delta_weight(ADAPTER)  # (out, in)
-        # an instance attribute: nn.Module.__call__ finds it before the class's
-        layer.forward = partial(_merged_linear, weight=merged, bias=base.bias)
-    try:
-        yield
-    finally:
-        for layer in layers:
-            del layer.forward
+        weight = base.weight + layer.get_delta_weight(ADAPTER)  # (out, in)
+        merged.append((layer, partial(_merged_linear, weight=weight, bias=base.bias)))
+    return forwards_replaced(merged)
 
 
 def _merged_linear(x, *args, weight, bias, **kwargs):

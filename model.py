@@ -56,7 +56,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from common import cause, unwrap
+from common import cause, forwards_replaced, unwrap
 from lora import AdaptersOff, add_lora, is_lora
 
 
@@ -478,20 +478,12 @@ def fusable_head(model):
             and head.weight.device.type == "cpu" and head.weight.dtype == torch.float32)
 
 
-@contextmanager
 def head_off(model):
     """Within it, model's LM head is the identity: its forward's "logits" are
     the final hidden states (..., d)."""
-    head = model.get_output_embeddings()
-    # an instance attribute: nn.Module.__call__ finds it before the class's
-    head.forward = lambda x: x
-    try:
-        yield
-    finally:
-        del head.forward
+    return forwards_replaced([(model.get_output_embeddings(), lambda x: x)])
 
 
-@contextmanager
 def packed_mlps(model, kept):
     """Within it, each decoder layer's MLP runs on the positions kept marks
     ((n, L) bool) of an (n, L, d) input, and gives 0 at the others. Inputs of
@@ -513,15 +505,8 @@ def packed_mlps(model, kept):
             if isinstance(getattr(layer, "mlp", None), torch.nn.Module)
             and not _is_recomputed(layer)]
     index = kept.flatten().nonzero()[:, 0]  # (k,) the kept positions of n * L
-
-    for mlp in mlps:
-        # an instance attribute: nn.Module.__call__ finds it before the class's
-        mlp.forward = partial(_packed_mlp, type(mlp).forward.__get__(mlp), kept.shape, index)
-    try:
-        yield
-    finally:
-        for mlp in mlps:
-            del mlp.forward
+    return forwards_replaced([(mlp, partial(_packed_mlp, type(mlp).forward.__get__(mlp),
+                                            kept.shape, index)) for mlp in mlps])
 
 
 def _packed_mlp(forward, shape, index, x):  # x (n, L, d)

@@ -43,14 +43,13 @@ import logging
 import math
 import os
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from common import all_ranks_ok, private_rng, unwrap
+from common import all_ranks_ok, forwards_replaced, private_rng, unwrap
 from lora import full_named_parameters, merged_adapters
 from model import GQA_ATTENTION, SharedPrefix, kept_tokens, pad_id, sequence_batch, truncates
 
@@ -631,7 +630,6 @@ def leave_batch(ended):
 HEAD_TILE_ROWS = 2048
 
 
-@contextmanager
 def tiled_head(model, engine_dtype):
     """While the HF engine decodes on CPU in fp32: the LM head as weight tiles
     times the hidden states, W[i : i + HEAD_TILE_ROWS] @ x^T.
@@ -656,8 +654,7 @@ def tiled_head(model, engine_dtype):
                 # one tile would be the plain head
                 and len(head.weight) > HEAD_TILE_ROWS)
     if not tileable:
-        yield
-        return
+        return forwards_replaced([])
 
     def forward(x):  # (..., d)
         # mm(out=) has no backward: the sampler runs without gradients
@@ -674,12 +671,7 @@ def tiled_head(model, engine_dtype):
         # the same order)
         return logits.t().contiguous().reshape(*x.shape[:-1], len(weight))  # (..., V)
 
-    # an instance attribute: nn.Module.__call__ finds it before the class's
-    head.forward = forward
-    try:
-        yield
-    finally:
-        del head.forward
+    return forwards_replaced([(head, forward)])
 
 
 class HFEngine(Engine):
