@@ -34,24 +34,28 @@ from rollout import HFEngine, draw_tokens, tiled_head
 from task import build_tokenizer
 
 
-@pytest.fixture(scope="module")
-def grouped(tmp_path_factory):
-    """(folder, the policy as load_model loads it, tokenizer, prompt ids)."""
-    tokenizer = build_tokenizer()
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=128, tie_word_embeddings=True,
-                         eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+def tiny_qwen2(path, tokenizer, **config):
+    """A random tiny Qwen2 (tied head, seed 0) of this config, saved to path with
+    the tokenizer -> the policy as load_model loads it."""
+    config = Qwen2Config(vocab_size=len(tokenizer), max_position_embeddings=128,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, **config)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
 
-    path = str(tmp_path_factory.mktemp("grouped"))
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return load_model(path, torch.float32, torch.device("cpu")).eval()
 
-    policy = load_model(path, torch.float32, torch.device("cpu")).eval()
+
+@pytest.fixture(scope="module")
+def grouped(tmp_path_factory):
+    """(folder, the policy as load_model loads it, tokenizer, prompt ids)."""
+    tokenizer = build_tokenizer()
+    path = str(tmp_path_factory.mktemp("grouped"))
+    policy = tiny_qwen2(path, tokenizer, hidden_size=128, intermediate_size=256,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     # unequal lengths: left padding in every batch
     prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
     return path, policy, tokenizer, prompt_ids
@@ -178,19 +182,11 @@ def mixed(tmp_path_factory):
     """A model with a full-attention and a sliding-window layer (window 4, less
     than the sequences) -> (its sampled rollout, the policy)."""
     tokenizer = build_tokenizer()
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                         head_dim=32, max_position_embeddings=128, use_sliding_window=True,
-                         sliding_window=4, layer_types=["full_attention", "sliding_attention"],
-                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
     path = str(tmp_path_factory.mktemp("mixed"))
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    policy = load_model(path, torch.float32, torch.device("cpu")).eval()
+    policy = tiny_qwen2(path, tokenizer, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                        head_dim=32, use_sliding_window=True, sliding_window=4,
+                        layer_types=["full_attention", "sliding_attention"])
 
     # prompts of 4, 3 and 2 tokens: the last two left-padded
     prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
