@@ -271,6 +271,10 @@ optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_deca
 # glibc keeps a CPU backward's freed blocks resident (common.release_free_memory).
 # Handing them back costs tens of ms a step: worth it from hundreds of MB, not on a toy
 release_memory = device.type == "cpu" and sum(p.numel() for p in raw_model.parameters()) >= 25e6
+# after each micro-batch too where activations are recomputed: there the next
+# one's are few pages to fault back in. Without recompute they are hundreds of
+# MB a micro-batch, faulted back each time (docs/benchmarks.md, "The trim")
+release_each_backward = release_memory and args.gradient_checkpointing
 mark("models")
 
 
@@ -609,7 +613,7 @@ def backward_micro(batch, prompts, rows, minibatch_tokens, last, settings):
     # once their gradient is computed, not after the whole backward
     del logits
     loss.backward()
-    if release_memory:
+    if release_each_backward:
         release_free_memory()
     return metrics, measured
 
