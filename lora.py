@@ -8,8 +8,9 @@ adds the adapters. This file holds what the trainer needs around them:
     lora_config(rank, alpha, ...)  peft's LoraConfig from the flags' values, or None
     add_lora(model, config)     the model as a PeftModel, base frozen (model.load_model)
     AdaptersOff(policy)         the reference for --beta > 0: the policy, adapters off
-    merged_adapters(model)      while the HF engine samples on CPU: each adapted layer
-                                one matmul of its merged weight
+    merged_adapters(model)      on the CPU, while the HF engine samples and while an
+                                optimizer step's gradients are computed: each adapted
+                                layer one matmul of its merged weight (MergedLoraLinear)
     sync_parameters(model)      what a weight sync sends: every parameter, or the
                                 adapted modules' merged weights
     full_named_parameters(...)  those as full tensors (FSDP2: gathered), engine's dtype
@@ -133,35 +134,95 @@ class AdaptersOff:
 def merged_adapters(model):
     """Within it, each adapted Linear of a LoRA policy on the CPU runs as one
     matmul of its merged weight W + scale * B A: the weights a sync sends the
-    vLLM engine (sync_parameters), which samples from them too. For the HF
-    engine's decode loop, under torch.no_grad.
+    vLLM engine (sync_parameters), which samples from them too. With gradients,
+    MergedLoraLinear gives A and B theirs. The HF engine's decode loop and
+    train.py's update enter it; the adapters must not change inside (one
+    optimizer step at most).
 
-    Why: a decode step has few rows (32 in bench real's recipe), and peft's
-    layer adds two skinny matmuls (K = r), a scale and an add to each base
-    matmul, and their Python. The merged weights cost one copy of the adapted
-    weights while the context lasts, computed once. The same log-probs to
-    rounding (tests/test_lora.py). Elsewhere (not LoRA, a GPU, where that copy
-    takes accelerator memory, or with gradients) the layers are left as they are.
+    Why: peft's layer adds two skinny matmuls (K = r) with wide outputs, a scale
+    and an add to each base matmul, and their Python, forward and backward. A
+    decode step has few rows (32 in bench real's recipe), and there they cost
+    more than their FLOPs. The merged weights cost one copy of the adapted
+    weights while the context lasts, each merged when its layer first runs.
+    The same log-probs and gradients to rounding (tests/test_lora.py).
+
+    A layer runs as peft's where the merged weight would not give the same
+    function: adapters disabled (AdaptersOff, the reference), LoRA dropout in a
+    forward with gradients, autocast or an input in another dtype with
+    gradients. Elsewhere (not LoRA, or a GPU, where the copy would take
+    accelerator memory) the layers are left as they are.
     """
     layers = []
-    if is_lora(model) and not torch.is_grad_enabled():
+    if is_lora(model):
         from peft.tuners.lora import Linear
 
         layers = [m for m in model.modules()
                   if type(m) is Linear and m.get_base_layer().weight.device.type == "cpu"]
-
-    merged = []
-    for layer in layers:
-        base = layer.get_base_layer()
-        weight = base.weight + layer.get_delta_weight(ADAPTER)  # (out, in)
-        merged.append((layer, partial(_merged_linear, weight=weight, bias=base.bias)))
-    return forwards_replaced(merged)
+    return forwards_replaced([(layer, partial(_merged_forward, layer, {})) for layer in layers])
 
 
-def _merged_linear(x, *args, weight, bias, **kwargs):
+def _merged_forward(layer, merged, x, *args, **kwargs):
     # peft's Linear.forward takes (x, *args, **kwargs); the extras are for
-    # mixed adapter batches, which the trainer never passes
-    return torch.nn.functional.linear(x, weight, bias)
+    # mixed adapter batches, which the trainer never passes. merged: the
+    # layer's merged weight, once computed ({} before)
+    if layer.disable_adapters or layer.merged:
+        return type(layer).forward(layer, x, *args, **kwargs)
+
+    base = layer.get_base_layer()
+    lora_A = layer.lora_A[ADAPTER].weight  # (r, in)
+    lora_B = layer.lora_B[ADAPTER].weight  # (out, r)
+    if "weight" not in merged:
+        with torch.no_grad():
+            merged["weight"] = base.weight + layer.get_delta_weight(ADAPTER)  # (out, in)
+    weight = merged["weight"]
+
+    if not torch.is_grad_enabled():
+        return torch.nn.functional.linear(x, weight, base.bias)
+
+    dropout = layer.lora_dropout[ADAPTER]
+    same_function = (not isinstance(dropout, torch.nn.Dropout) or dropout.p == 0)
+    same_dtype = (x.dtype == weight.dtype == lora_A.dtype
+                  and not torch.is_autocast_enabled(x.device.type))
+    if not (same_function and same_dtype):
+        return type(layer).forward(layer, x, *args, **kwargs)
+    return MergedLoraLinear.apply(x, weight, base.bias, lora_A, lora_B,
+                                  layer.scaling[ADAPTER])
+
+
+class MergedLoraLinear(torch.autograd.Function):
+    """y = x W'^T + bias, W' = W + scale B A given (merged_adapters), and the
+    gradients of x, A and B (W' and the bias are frozen). With g = dL/dy:
+
+        dx = g W'              one matmul, as the base layer's own
+        dA = scale (g B)^T x
+        dB = scale g^T (x A^T)
+
+    peft's layer also computes (x A^T) B^T forward and (g B) A backward: (M, out)
+    and (M, in) outputs of K = r matmuls, the slowest of the update's on the
+    CPU. x A^T is computed in the backward, not saved: (M, r) costs little.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_A, lora_B, scale):
+        ctx.save_for_backward(x, weight, lora_A, lora_B)
+        ctx.scale = scale
+        return torch.nn.functional.linear(x, weight, bias)  # (..., out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, lora_A, lora_B = ctx.saved_tensors
+        rows = x.reshape(-1, x.shape[-1])  # (M, in)
+        grad_rows = grad.reshape(-1, grad.shape[-1])  # (M, out)
+
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (grad_rows @ weight).view(x.shape)  # (..., in)
+
+        grad_B_rows = (grad_rows @ lora_B) * ctx.scale  # (M, r)
+        grad_A = grad_B_rows.t() @ rows  # (r, in)
+        x_A = (rows @ lora_A.t()) * ctx.scale  # (M, r)
+        grad_B = grad_rows.t() @ x_A  # (out, r)
+        return grad_x, None, None, grad_A, grad_B, None
 
 
 @torch.no_grad()

@@ -78,7 +78,7 @@ from batch import UpdateBatch, high_entropy_mask, policy_entropies, unique_rows
 from common import (barrier, collective_device, ddp, fail, in_background, mark, master,
                     print0, rank, release_free_memory, require, result_everywhere, seed_all,
                     setup, startup_line, step_line, world)
-from lora import lora_config
+from lora import lora_config, merged_adapters
 from loss import LossSettings, choose_impl, policy_loss
 from metrics import step_metrics, token_stats
 from model import (MICRO_BATCH_LOGITS, auto_micro_batch, completion_logits, completion_logps,
@@ -749,12 +749,15 @@ for step in bar:
             # the micro-batches of the minibatch's rows (its distinct ones, if any)
             micro_rows = trained[mb:mb + minibatch].split(micro)
             measured = []  # --adaptive-entropy: (sum of H, tokens) per micro-batch
-            for i, micro_idx in enumerate(micro_rows):
-                last = i == len(micro_rows) - 1
-                metrics, entropy_sums = backward_micro(batch, prompts, micro_idx, mb_tokens,
-                                                       last, settings)
-                micro_metrics.append(metrics)
-                measured.append(entropy_sums)
+            # LoRA on the CPU: each adapted layer one matmul of its weight merged
+            # with the adapters as this optimizer step finds them (lora.py)
+            with merged_adapters(raw_model):
+                for i, micro_idx in enumerate(micro_rows):
+                    last = i == len(micro_rows) - 1
+                    metrics, entropy_sums = backward_micro(batch, prompts, micro_idx, mb_tokens,
+                                                           last, settings)
+                    micro_metrics.append(metrics)
+                    measured.append(entropy_sums)
             grad_norms.append(optimizer_step(step))
             opt_step += 1
             # Skywork-OR1's controller: the next optimizer step's coefficient
