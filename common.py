@@ -41,15 +41,21 @@ ddp = world > 1
 @contextmanager
 def forwards_replaced(pairs):
     """Within it, each (module, function) pair's module runs function as its
-    forward; its class's forward again after. The function is an instance
-    attribute, which nn.Module.__call__ finds before the class's method."""
+    forward; the forward it had again after. The function is an instance
+    attribute, which nn.Module.__call__ finds before the class's method. They
+    nest: a function may wrap the module's forward as it finds it (its class's,
+    or an outer context's)."""
+    before = [(module, vars(module).get("forward")) for module, _ in pairs]
     for module, forward in pairs:
         module.forward = forward
     try:
         yield
     finally:
-        for module, _ in pairs:
-            del module.forward
+        for module, forward in reversed(before):
+            if forward is None:
+                del module.forward
+            else:
+                module.forward = forward
 
 
 def cause(e):

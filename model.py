@@ -13,7 +13,8 @@ the forward that turns a rollout into the logits and log-probs the loss needs.
     truncate_logits(logits, ids, ...)  the sampler's support replayed on the trainer's logits
     sequence_logps(model, ...)     (N, T) log-probs of the completions, by micro-batch
     completion_logps(model, ...)   the update's log-probs, LM head and log-prob fused (CPU, fp32),
-                                   the MLPs on the real tokens only (packed_mlps)
+                                   the per-position modules on the real tokens only
+                                   (packed_positions)
     SharedPrefix                   the HF engine's decode attention, each prompt's keys once (CPU)
     auto_micro_batch(...)          completions per forward when --micro-batch-size is 0
 
@@ -390,7 +391,7 @@ def completion_logits(model, prompts, rows, completion_ids, dtype=torch.float32,
 
     completion_ids are the completions of `rows`, a slice of the rollout.
     kept (n, T) bool, optional: the positions whose logits count. The MLPs
-    then skip the others (packed_mlps), whose logits are not the model's.
+    then skip the others (packed_positions), whose logits are not the model's.
     Prefix sharing: the G completions of a prompt share its forward. That is
     B*(P-1) + n*T tokens instead of n*(P+T), with the same logits and gradients
     to rounding (tests/test_prefix_sharing.py). FSDP2 models run whole sequences
@@ -456,11 +457,12 @@ def completion_logits(model, prompts, rows, completion_ids, dtype=torch.float32,
         if torch.is_grad_enabled() and not isinstance(model, DistributedDataParallel):
             forward = tied_head_apart(model)
 
-        # the MLPs on the kept positions only: input position t predicts
-        # completion token t (the prefix shared; FSDP2 runs whole sequences)
+        # the MLPs and projections on the kept positions only: input position
+        # t predicts completion token t (the prefix shared; FSDP2 runs whole
+        # sequences)
         packing = contextlib.nullcontext()
         if kept is not None and input_ids.shape[1] == T:
-            packing = packed_mlps(model, kept)
+            packing = packed_positions(model, kept)
         with packing:
             return forward(input_ids=input_ids, attention_mask=attention_mask,
                            position_ids=position_ids, past_key_values=cache,
@@ -484,38 +486,50 @@ def head_off(model):
     return forwards_replaced([(model.get_output_embeddings(), lambda x: x)])
 
 
-def packed_mlps(model, kept):
-    """Within it, each decoder layer's MLP runs on the positions kept marks
-    ((n, L) bool) of an (n, L, d) input, and gives 0 at the others. Inputs of
-    another shape run as they are.
+# a decoder layer's attention projections by their names in Llama, Qwen2/3 and
+# Mistral: each maps a position to a position, as the MLP does
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
-    Why: a micro-batch's completions are padded to its longest, and the MLP
-    (two thirds of a Llama or Qwen layer's weights) would multiply the padding
+
+def packed_positions(model, kept):
+    """Within it, each decoder layer's MLP and attention projections
+    (ATTENTION_PROJECTIONS) run on the positions kept marks ((n, L) bool) of an
+    (n, L, ...) input, and give 0 at the others. Inputs of another shape run as
+    they are. Only attention itself sees every position.
+
+    Why: a micro-batch's completions are padded to its longest, and those
+    modules (all of a Llama or Qwen layer's weights) would multiply the padding
     too: a seventh of bench real's positions. A padded position comes after
-    every real one of its row, so no real position attends to it: the kept
-    positions' outputs are the same, to rounding (tests/test_prefix_sharing.py).
-    A no-op where the layers are recomputed in the backward
-    (--gradient-checkpointing): the replay runs after the context ends, and
-    must repeat the forward's shapes.
+    every real one of its row, so no real position attends to it (its keys and
+    values are 0 here): the kept positions' outputs are the same, to rounding
+    (tests/test_prefix_sharing.py). A no-op where the layers are recomputed in
+    the backward (--gradient-checkpointing): the replay runs after the context
+    ends, and must repeat the forward's shapes.
     """
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    mlps = [layer.mlp for layer in layers
-            if isinstance(getattr(layer, "mlp", None), torch.nn.Module)
-            and not _is_recomputed(layer)]
+    layers = [m for m in model.modules()
+              if isinstance(m, GradientCheckpointingLayer) and not _is_recomputed(m)]
+    modules = []
+    for layer in layers:
+        attention = getattr(layer, "self_attn", None)
+        candidates = [getattr(layer, "mlp", None)]
+        candidates += [getattr(attention, name, None) for name in ATTENTION_PROJECTIONS]
+        modules += [m for m in candidates if isinstance(m, torch.nn.Module)]
+
     index = kept.flatten().nonzero()[:, 0]  # (k,) the kept positions of n * L
-    return forwards_replaced([(mlp, partial(_packed_mlp, type(mlp).forward.__get__(mlp),
-                                            kept.shape, index)) for mlp in mlps])
+    # m.forward: the class's, or merged_adapters' (LoRA)
+    return forwards_replaced([(m, partial(_packed_forward, m.forward, kept.shape, index))
+                              for m in modules])
 
 
-def _packed_mlp(forward, shape, index, x):  # x (n, L, d)
+def _packed_forward(forward, shape, index, x):  # x (n, L, d)
     if x.shape[:2] != shape:
         return forward(x)
     rows = x.reshape(-1, x.shape[-1])  # (n * L, d)
-    out = forward(rows.index_select(0, index))  # (k, d)
-    packed = out.new_zeros(len(rows), out.shape[-1])  # (n * L, d)
-    return packed.index_copy(0, index, out).view(*x.shape[:-1], out.shape[-1])  # (n, L, d)
+    out = forward(rows.index_select(0, index))  # (k, d_out)
+    packed = out.new_zeros(len(rows), out.shape[-1])  # (n * L, d_out)
+    return packed.index_copy(0, index, out).view(*x.shape[:-1], out.shape[-1])  # (n, L, d_out)
 
 
 def completion_logps(model, prompts, rows, completion_ids, completion_mask, temperature):

@@ -237,6 +237,37 @@ def test_update_through_merged_adapters_has_peft_gradients(data):
     assert (merged_dropped - peft_loss).abs() > 1e-4
 
 
+def test_update_path_nests_packed_positions_in_merged_adapters(data):
+    """train.py's update of a LoRA policy: completion_logps (packed_positions
+    wraps q/k/v/o and the MLPs) inside merged_adapters (which wraps q/k/v/o
+    first). The wrappers nest: the log-probs and the adapters' gradients are
+    peft's (< 1e-5), and every forward is the class's again after."""
+    from model import completion_logps
+
+    model, prompts, completions = data
+    policy = lora_policy(model)
+    train_steps(policy, prompts, completions)  # B != 0
+    completion_ids = torch.tensor(completions)  # (N, T)
+    mask = torch.ones(completion_ids.shape)
+    mask[1, 2:] = 0  # padding, as the rollout leaves it
+    prompt_rows = prompt_batch(prompts, 0)
+
+    def run():
+        policy.zero_grad(set_to_none=True)
+        logps = completion_logps(policy, prompt_rows, slice(None), completion_ids, mask, 0.7)
+        logps.sum().backward()
+        grads = {n: p.grad for n, p in policy.named_parameters() if p.requires_grad}
+        return logps.detach(), grads
+
+    want, want_grads = run()
+    with merged_adapters(policy):
+        got, got_grads = run()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert not any("forward" in vars(m) for m in policy.modules())
+
+
 def test_lora_run_learns_saves_merged_model_and_resumes_bit_exactly(tmp_path):
     """train.py --lora-rank 8 on the default task (its LoRA lr, beta > 0).
 

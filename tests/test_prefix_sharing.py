@@ -275,10 +275,11 @@ def test_the_prefix_graph_is_freed_after_its_backward(tiny, monkeypatch):
 @pytest.mark.parametrize("micro, recompute", [(12, False), (5, False), (1, False), (5, True)])
 def test_fused_head_log_probs_and_gradients_match_the_logits(tiny, micro, recompute):
     """model.completion_logps (the LM head and the log-prob fused, the tied
-    head's gradient added to .grad in place, the MLPs on the real tokens only)
+    head's gradient added to .grad in place, the MLPs and attention projections
+    on the real tokens only)
     gives the log-probs and the gradients of selective_log_softmax over
-    completion_logits's logits, and 0 at padding. Under recompute the MLPs run
-    on every position (the backward's replay must repeat the forward)."""
+    completion_logits's logits, and 0 at padding. Under recompute they run on
+    every position (the backward's replay must repeat the forward)."""
     _, model, _, _ = tiny
     if recompute:
         model = copy.deepcopy(model)
