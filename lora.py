@@ -143,7 +143,7 @@ def merged_adapters(model):
     and an add to each base matmul, and their Python, forward and backward. A
     decode step has few rows (32 in bench real's recipe), and there they cost
     more than their FLOPs. The merged weights cost one copy of the adapted
-    weights while the context lasts, each merged when its layer first runs.
+    weights while the context lasts, computed on entry.
     The same log-probs and gradients to rounding (tests/test_lora.py).
 
     A layer runs as peft's where the merged weight would not give the same
@@ -166,7 +166,7 @@ class _Merged:
     """What a merged layer's forward reads, looked up once, not at each call
     (bench real's rollout calls its 210 layers 64 times each): the peft layer,
     its base weight and bias, A, B, scale, its LoRA dropout, and the merged
-    weight once computed."""
+    weight."""
 
     def __init__(self, layer):
         base = layer.get_base_layer()
@@ -178,14 +178,8 @@ class _Merged:
         self.scale = layer.scaling[ADAPTER]
         dropout = layer.lora_dropout[ADAPTER]
         self.dropout = dropout.p if isinstance(dropout, torch.nn.Dropout) else 0.0
-        self.weight = None
-
-    def merged_weight(self):
-        if self.weight is None:
-            with torch.no_grad():
-                delta = self.layer.get_delta_weight(ADAPTER)  # scale * B A
-                self.weight = self.base_weight + delta  # (out, in)
-        return self.weight
+        with torch.no_grad():
+            self.weight = self.base_weight + layer.get_delta_weight(ADAPTER)  # (out, in)
 
 
 def _merged_forward(merged, x, *args, **kwargs):
@@ -195,7 +189,7 @@ def _merged_forward(merged, x, *args, **kwargs):
     if layer.disable_adapters or layer.merged:
         return type(layer).forward(layer, x, *args, **kwargs)
 
-    weight = merged.merged_weight()
+    weight = merged.weight
     if not torch.is_grad_enabled():
         return torch.nn.functional.linear(x, weight, merged.bias)
 
