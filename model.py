@@ -418,7 +418,7 @@ def completion_logits(model, prompts, rows, completion_ids, dtype=torch.float32,
     device_type = completion_ids.device.type
     autocast = torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32)
     # the lookups' gradients go into .grad row by row (sparse_embedding_grads)
-    with autocast, sparse_embedding_grads(model):
+    with autocast, sparse_embedding_grads(model), rms_norms_by_hand(model):
         # 1) the prompts minus their last token, once each: their KV cache
         # (a 1-position LM head)
         cache = None
@@ -530,6 +530,67 @@ def _packed_forward(forward, shape, index, x):  # x (n, L, d)
     out = forward(rows.index_select(0, index))  # (k, d_out)
     packed = out.new_zeros(len(rows), out.shape[-1])  # (n * L, d_out)
     return packed.index_copy(0, index, out).view(*x.shape[:-1], out.shape[-1])  # (n, L, d_out)
+
+
+# transformers' RMSNorms that compute weight * (x * rsqrt(mean(x^2) + eps)) in fp32
+RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
+
+
+def rms_norms_by_hand(model):
+    """Within it, each RMSNorm of model (RMS_NORMS) runs RMSNormFunction in a
+    forward with gradients of an fp32 input (no autocast); else its own
+    forward. A no-op under FSDP2 (sharded weights) and where layers are
+    recomputed in the backward (--gradient-checkpointing): the replay runs
+    after the context ends, and must save what the forward saved.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if isinstance(model, FSDPModule) or any(_is_recomputed(layer) for layer in layers):
+        return forwards_replaced([])
+
+    norms = [m for m in model.modules() if type(m).__name__ in RMS_NORMS]
+    return forwards_replaced([(norm, partial(_rms_norm_forward, norm)) for norm in norms])
+
+
+def _rms_norm_forward(norm, x):
+    by_hand = (torch.is_grad_enabled() and x.dtype == norm.weight.dtype == torch.float32
+               and not torch.is_autocast_enabled(x.device.type))
+    if not by_hand:
+        return type(norm).forward(norm, x)
+    return RMSNormFunction.apply(x, norm.weight, norm.variance_epsilon)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """y = w * (x * r), r = rsqrt(mean(x^2) + eps) over the last dimension,
+    the forward's bits those of transformers' RMSNorm, its backward by hand:
+
+        dx = r * (g w - x * r^2 * mean(x * g w))
+        dw = the sum over positions of g * x * r
+
+    Why: autograd's backward of transformers' forward is a dozen elementwise
+    ops over the (n, L, d) activations, each a pass over memory, 61 times a
+    forward for SmolLM2; this one is five. Gradients equal to rounding
+    (tests/test_prefix_sharing.py).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):  # (..., d), (d,)
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (x * rstd)  # (..., d)
+
+    @staticmethod
+    def backward(ctx, grad):  # (..., d)
+        x, weight, rstd = ctx.saved_tensors
+        grad_normed = grad * weight  # (..., d)
+        dot = (grad_normed * x).mean(-1, keepdim=True)  # (..., 1)
+        grad_x = (grad_normed - x * (rstd * rstd * dot)) * rstd  # (..., d)
+
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad * x * rstd).reshape(-1, x.shape[-1]).sum(0)  # (d,)
+        return grad_x, grad_weight, None
 
 
 def completion_logps(model, prompts, rows, completion_ids, completion_mask, temperature):

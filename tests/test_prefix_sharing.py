@@ -10,8 +10,10 @@ import copy
 import pytest
 import torch
 
-from model import (completion_logits, completion_logps, fusable_head, prompt_batch,
-                   recompute_layers, selective_log_softmax, sequence_batch, sequence_logps)
+import model as model_module
+from model import (RMS_NORMS, RMSNormFunction, completion_logits, completion_logps,
+                   fusable_head, prompt_batch, recompute_layers, rms_norms_by_hand,
+                   selective_log_softmax, sequence_batch, sequence_logps)
 
 
 def whole_sequence_logits(model, prompt_ids, completion_ids):
@@ -104,11 +106,14 @@ def saved_bytes(fn):
 
 # through groups; no prefix at all
 @pytest.mark.parametrize("micro, lengths", [(5, (3, 1, 5, 2)), (12, (1, 1, 1, 1))])
-def test_recomputed_layers_give_the_same_logits_and_gradients(tiny, micro, lengths):
+def test_recomputed_layers_give_the_same_logits_and_gradients(tiny, micro, lengths,
+                                                              monkeypatch):
     """--gradient-checkpointing: each layer replayed in backward, its cache update
     repeated (PrefixLayer, ExtendLayer), the same numbers with less saved. In eval
     mode, as train.py runs the policy (transformers' own switch acts only in
-    train mode: the flag once did nothing there)."""
+    train mode: the flag once did nothing there). transformers' RMSNorms on both
+    sides (recompute turns rms_norms_by_hand off; it has its own test)."""
+    monkeypatch.setattr(model_module, "RMS_NORMS", ())
     _, model, _, _ = tiny
     model = copy.deepcopy(model).eval()
     recomputed = copy.deepcopy(model)
@@ -315,6 +320,58 @@ def test_fused_head_log_probs_and_gradients_match_the_logits(tiny, micro, recomp
     assert (got[mask == 0] == 0).all()
     for k, grad in want_grads.items():
         torch.testing.assert_close(got_grads[k], grad, atol=1e-5, rtol=1e-4, msg=k)
+
+
+def test_rms_norm_by_hand_is_transformers_forward_with_its_gradients(tiny):
+    """RMSNormFunction: the forward's bits of transformers' RMSNorm, and the
+    gradients of x and the weight within 1e-6 relative of autograd's. Through
+    completion_logits (rms_norms_by_hand on every norm of the model), every
+    weight's gradient within 1e-5 relative of transformers' norms'; under
+    recompute the context is a no-op."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    _, model, _, _ = tiny
+    norm = Qwen2RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(3, 5, 64, requires_grad=True)
+    grad = torch.randn(3, 5, 64)
+
+    want = norm(x)
+    want_x, want_w = torch.autograd.grad(want, [x, norm.weight], grad)
+    got = RMSNormFunction.apply(x, norm.weight, norm.variance_epsilon)
+    got_x, got_w = torch.autograd.grad(got, [x, norm.weight], grad)
+    assert torch.equal(got, want)
+    for g, w in ((got_x, want_x), (got_w, want_w)):
+        assert (g - w).abs().max() <= 1e-6 * w.abs().max()
+
+    # the whole model, by hand against transformers' norms
+    prompt_ids, completion_ids = rollout_like(lengths=(3, 1, 5, 2))
+    prompts = prompt_batch(prompt_ids, 0)
+    weights = torch.randn(*completion_ids.shape, model.config.vocab_size)
+
+    def grads(m):
+        m.zero_grad(set_to_none=True)
+        logits = completion_logits(m, prompts, slice(None), completion_ids)  # (N, T, V)
+        (logits * weights).sum().backward()
+        return {k: p.grad.clone() for k, p in m.named_parameters()}
+
+    by_hand = copy.deepcopy(model)
+    norms = [m for m in by_hand.modules() if type(m).__name__ in RMS_NORMS]
+    assert len(norms) == 2 * by_hand.config.num_hidden_layers + 1
+    with rms_norms_by_hand(by_hand):
+        assert all("forward" in vars(m) for m in norms)
+    plain = copy.deepcopy(model)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model_module, "RMS_NORMS", ())
+        want_grads = grads(plain)
+    got_grads = grads(by_hand)
+    for k, w in want_grads.items():
+        assert (got_grads[k] - w).abs().max() <= 1e-5 * w.abs().max(), k
+
+    recompute_layers(by_hand)
+    with rms_norms_by_hand(by_hand):
+        assert not any("forward" in vars(m) for m in norms)
 
 
 def test_fusable_head_only_for_a_plain_fp32_head(tiny):
