@@ -539,12 +539,15 @@ RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 def rms_norms_by_hand(model):
     """Within it, each RMSNorm of model (RMS_NORMS) runs RMSNormFunction in a
     forward with gradients of an fp32 input (no autocast); else its own
-    forward. A no-op under FSDP2 (sharded weights) and where layers are
+    forward. A no-op without gradients, under FSDP2 (sharded weights) and where layers are
     recomputed in the backward (--gradient-checkpointing): the replay runs
     after the context ends, and must save what the forward saved.
     """
     from transformers.modeling_layers import GradientCheckpointingLayer
 
+    # no backward to run (the reference, an AdaptersOff, is never trained)
+    if not torch.is_grad_enabled() or not isinstance(model, torch.nn.Module):
+        return forwards_replaced([])
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if isinstance(model, FSDPModule) or any(_is_recomputed(layer) for layer in layers):
         return forwards_replaced([])

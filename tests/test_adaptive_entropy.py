@@ -122,7 +122,9 @@ def test_a_shut_gate_is_no_bonus(tmp_path):
     """Target 0: the tiny policy's entropy (~2.9) never gets there.
 
     The coefficient falls from the recipe's 0.1 by 0.005 a step and the bonus is
-    never applied: every other number is that of a run with --entropy-coef 0.
+    never applied: every other number is that of a run with --entropy-coef 0, to
+    rounding (that run's update takes the fused head, its projections on the real
+    tokens only: model.completion_logps).
     """
     _, out, records = run_train(FAST + ["--adaptive-entropy", "--entropy-target", "0"],
                                 tmp_path / "adaptive")
@@ -130,7 +132,10 @@ def test_a_shut_gate_is_no_bonus(tmp_path):
 
     assert [r["entropy_coef"] for r in records[1:]] == pytest.approx([0.095, 0.09, 0.085])
     assert all(r["entropy"] > 0 for r in records[1:])
-    assert drop(records, {"entropy", "entropy_coef"}) == drop(plain, set())
+    without_bonus = drop(records, {"entropy", "entropy_coef"})
+    assert len(without_bonus) == len(plain)
+    for record, plain_record in zip(without_bonus, drop(plain, set())):
+        assert record == pytest.approx(plain_record, rel=1e-6, abs=1e-9)
     assert "entropy_coef 0.0950" in out
 
 
