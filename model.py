@@ -390,8 +390,9 @@ def completion_logits(model, prompts, rows, completion_ids, dtype=torch.float32,
     """Logits (n, T, V) that predict completion_ids (n, T), autocast to dtype.
 
     completion_ids are the completions of `rows`, a slice of the rollout.
-    kept (n, T) bool, optional: the positions whose logits count. The MLPs
-    then skip the others (packed_positions), whose logits are not the model's.
+    kept (n, T) bool, optional: the positions whose logits count. The MLPs and
+    attention projections then skip the others (packed_positions), whose logits
+    are not the model's.
     Prefix sharing: the G completions of a prompt share its forward. That is
     B*(P-1) + n*T tokens instead of n*(P+T), with the same logits and gradients
     to rounding (tests/test_prefix_sharing.py). FSDP2 models run whole sequences
@@ -539,9 +540,9 @@ RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 def rms_norms_by_hand(model):
     """Within it, each RMSNorm of model (RMS_NORMS) runs RMSNormFunction in a
     forward with gradients of an fp32 input (no autocast); else its own
-    forward. A no-op without gradients, under FSDP2 (sharded weights) and where layers are
-    recomputed in the backward (--gradient-checkpointing): the replay runs
-    after the context ends, and must save what the forward saved.
+    forward. A no-op without gradients, under FSDP2 (sharded weights), and
+    where layers are recomputed in the backward (--gradient-checkpointing): the
+    replay runs after the context ends, and must save what the forward saved.
     """
     from transformers.modeling_layers import GradientCheckpointingLayer
 

@@ -273,7 +273,7 @@ optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_deca
 release_memory = device.type == "cpu" and sum(p.numel() for p in raw_model.parameters()) >= 25e6
 # after each micro-batch too where activations are recomputed: there the next
 # one's are few pages to fault back in. Without recompute they are hundreds of
-# MB a micro-batch, faulted back each time (docs/benchmarks.md, "The trim")
+# MB a micro-batch, faulted back each time (docs/benchmarks.md, "The seventh pass")
 release_each_backward = release_memory and args.gradient_checkpointing
 mark("models")
 
