@@ -507,12 +507,10 @@ def packed_positions(model, kept):
     the backward (--gradient-checkpointing): the replay runs after the context
     ends, and must repeat the forward's shapes.
     """
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [m for m in model.modules()
-              if isinstance(m, GradientCheckpointingLayer) and not _is_recomputed(m)]
     modules = []
-    for layer in layers:
+    for layer in decoder_layers(model):
+        if _is_recomputed(layer):
+            continue
         attention = getattr(layer, "self_attn", None)
         candidates = [getattr(layer, "mlp", None)]
         candidates += [getattr(attention, name, None) for name in ATTENTION_PROJECTIONS]
@@ -544,13 +542,11 @@ def rms_norms_by_hand(model):
     where layers are recomputed in the backward (--gradient-checkpointing): the
     replay runs after the context ends, and must save what the forward saved.
     """
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
     # no backward to run (the reference, an AdaptersOff, is never trained)
     if not torch.is_grad_enabled() or not isinstance(model, torch.nn.Module):
         return forwards_replaced([])
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    if isinstance(model, FSDPModule) or any(_is_recomputed(layer) for layer in layers):
+    recomputed = any(_is_recomputed(layer) for layer in decoder_layers(model))
+    if isinstance(model, FSDPModule) or recomputed:
         return forwards_replaced([])
 
     norms = [m for m in model.modules() if type(m).__name__ in RMS_NORMS]
@@ -736,6 +732,13 @@ def tied_head_apart(model):
 # -----------------------------------------------------------------------------
 # Recomputed activations (--gradient-checkpointing) and the caches a replay can repeat
 
+def decoder_layers(model):
+    """model's decoder layers: the modules transformers can checkpoint."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
 def recompute_layers(model):
     """Checkpoint every decoder layer of model: its activations are dropped after
     the forward and recomputed in the backward (about a third more update
@@ -747,9 +750,7 @@ def recompute_layers(model):
     update gives the same result when the backward replays a layer.
     Non-reentrant checkpointing (https://pytorch.org/docs/stable/checkpoint.html).
     """
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    layers = decoder_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no decoder layers that "
                          f"transformers can checkpoint")
