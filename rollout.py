@@ -628,6 +628,8 @@ def leave_batch(ended):
 
 # the LM head's weight rows per matmul while the HF engine decodes on CPU
 HEAD_TILE_ROWS = 2048
+# the fewest rows a decode step's head runs in tiles for (fewer: the plain head)
+HEAD_TILE_MIN_ROWS = 16
 
 
 def tiled_head(model, engine_dtype):
@@ -638,10 +640,11 @@ def tiled_head(model, engine_dtype):
     V x d weights (49,152 x 576 for SmolLM2). MKL runs x @ W^T at that shape
     well below its rate on tiles of W, each of which it reuses from cache.
     Each logit is still one d-long dot product: the same bits where MKL sums
-    it in the same order (16 rows and more here), a rounding apart where its
-    kernel for a handful of rows orders it otherwise. Tests:
-    tests/test_decode.py; figures: docs/benchmarks.md ("The real model against
-    TRL, side by side").
+    it in the same order. Its kernel for a handful of rows (2-11 here) orders
+    it otherwise, a rounding apart that moves SmolLM2's log-probs by up to
+    3e-5: a step with fewer than HEAD_TILE_MIN_ROWS rows (rows that ended
+    have left the batch) keeps the plain head. Tests: tests/test_decode.py;
+    figures: docs/benchmarks.md ("The real model against TRL, side by side").
 
     Elsewhere (a GPU, autocast, a head with a bias or sharded by FSDP2, LoRA
     on the head, a vocabulary of one tile) the head is left as it is.
@@ -657,12 +660,12 @@ def tiled_head(model, engine_dtype):
         return forwards_replaced([])
 
     def forward(x):  # (..., d)
+        rows = x.reshape(-1, x.shape[-1])  # (n, d)
         # mm(out=) has no backward: the sampler runs without gradients
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or len(rows) < HEAD_TILE_MIN_ROWS:
             return torch.nn.Linear.forward(head, x)
 
         weight = head.weight  # (V, d)
-        rows = x.reshape(-1, x.shape[-1])  # (n, d)
         logits = x.new_empty(len(weight), len(rows))  # (V, n)
         for start in range(0, len(weight), HEAD_TILE_ROWS):
             tile = slice(start, start + HEAD_TILE_ROWS)

@@ -297,14 +297,26 @@ def test_tiled_head_gives_the_plain_heads_logits(grouped, monkeypatch):
     V, d = head.weight.shape
     # 19 tokens in tiles of 4: the last tile is short
     monkeypatch.setattr(rollout, "HEAD_TILE_ROWS", 4)
+    monkeypatch.setattr(rollout, "HEAD_TILE_MIN_ROWS", 4)
     assert V % 4 != 0
     hidden = torch.randn(6, 1, d)  # (N, 1, d) a decode step
 
+    # the tiles are torch.mm's, the plain head F.linear's
+    mm_calls = []
+    mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda *a, **k: mm_calls.append(1) or mm(*a, **k))
+
     with torch.no_grad():
         plain = head(hidden)  # (N, 1, V)
+        plain_few = head(hidden[:3])
         with tiled_head(policy, torch.float32):
             assert "forward" in vars(head)
             tiled = head(hidden)
+            assert len(mm_calls) == 5
+
+            # fewer rows than HEAD_TILE_MIN_ROWS: the plain head, bit for bit
+            assert torch.equal(head(hidden[:3]), plain_few)
+            assert len(mm_calls) == 5
         assert "forward" not in vars(head)
     assert tiled.shape == plain.shape
     assert (tiled - plain).abs().max() < 1e-6
@@ -323,6 +335,8 @@ def test_tiled_head_gives_the_plain_heads_logits(grouped, monkeypatch):
 def test_tiled_head_keeps_the_engines_samples(grouped, monkeypatch):
     _, policy, tokenizer, prompt_ids = grouped
     monkeypatch.setattr(rollout, "HEAD_TILE_ROWS", 4)
+    # tiles at any number of rows, for the tiny batch
+    monkeypatch.setattr(rollout, "HEAD_TILE_MIN_ROWS", 1)
 
     # a new engine each: the same seed for its first call
     tiled = HFEngine(policy, tokenizer, seed=0).generate(prompt_ids, 3, 24, temperature=0.7)
