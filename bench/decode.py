@@ -6,10 +6,14 @@ Two figures, each against a baseline measured in the same run, on 1 thread:
    4 word problems with the R1 system prompt, G 4, 64 new tokens, T 0.7. The
    two alternate --repeats times (default 5), and must give the same
    completions and log-probs.
-2. A decode step's matrix products at its 16 rows: every layer weight once,
-   read from RAM as in a decode step ("cold"); one weight again and again,
-   from cache ("hot"); the head plain and tiled; and the 2048^3 product that
-   bench real's compute floor is built on.
+2. A decode step's matrix products, at this recipe's 16 rows and at bench
+   real's 32: every layer weight once, read from RAM as in a decode step
+   ("cold"); one weight again and again, from cache ("hot"); the head plain
+   and tiled; and the 2048^3 product that bench real's compute floor is built
+   on. The last column is a lower bound on the rollout against that floor: a
+   decode step's products alone (cold layers, tiled head) over the time the
+   floor's rate gives them. Nothing else in a step (attention, norms, the
+   sampler) is counted.
 """
 import contextlib
 import statistics
@@ -18,13 +22,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.real import PROBLEMS, machine_floor, real_model_or_exit
+from bench.real import PROBLEMS, TRAIN_FLAGS, flag, machine_floor, real_model_or_exit
 from bench.shared import median_seconds
 
 PROMPTS = 4
 G = 4
 NEW_TOKENS = 64
 TEMPERATURE = 0.7
+# bench real's decode batch: its prompts a step times G
+BENCH_REAL_ROWS = int(flag(TRAIN_FLAGS, "--prompts-per-step")) * int(flag(TRAIN_FLAGS, "--G"))
 
 
 def plain_head(model, engine_dtype):
@@ -61,7 +67,8 @@ def sample_both_ways(engine, prompts, repeats):
 
 
 def product_rates(model, rows, repeats):
-    """GFLOP/s of a decode step's products at `rows` rows -> dict."""
+    """GFLOP/s of a decode step's products at `rows` rows, and the FLOPs of
+    its layers and head -> dict."""
     from rollout import tiled_head
 
     head = model.get_output_embeddings()
@@ -98,7 +105,19 @@ def product_rates(model, rows, repeats):
             layer_hot=2 * rows * big.numel() * len(layers) / median_seconds(hot, repeats) / 1e9,
             head_plain=head_flops / median_seconds(head_call, repeats) / 1e9,
             head_tiled=head_flops / median_seconds(tiled, repeats) / 1e9,
+            layer_flops=flops,
+            head_flops=head_flops,
         )
+
+
+def products_bound(rates, floor):
+    """A decode step's products (product_rates' dict; the layers cold, the
+    head tiled) -> their milliseconds, and how many times the floor's they
+    take."""
+    layers_s = rates["layer_flops"] / (rates["layers_cold"] * 1e9)
+    head_s = rates["head_flops"] / (rates["head_tiled"] * 1e9)
+    floor_s = (rates["layer_flops"] + rates["head_flops"]) / (floor * 1e9)
+    return dict(ms=1e3 * (layers_s + head_s), x_floor=(layers_s + head_s) / floor_s)
 
 
 def bench_decode(args):
@@ -138,15 +157,18 @@ def bench_decode(args):
           f"{statistics.median(ratios):.2f}x the median pair; tiled faster in {faster} of "
           f"{repeats} pairs; the same completions and log-probs: {'yes' if same else 'NO'}")
 
-    # 2) the products of one decode step
-    rates = product_rates(model, PROMPTS * G, repeats)
+    # 2) the products of one decode step, at this recipe's rows and bench real's
     floor = machine_floor(args.threads, False, repeats)["float32"]
-    print(f"\n| a decode step's products, {PROMPTS * G} rows | GFLOP/s |\n|---|---|")
-    print(f"| the layers' weights, each once (cold, from RAM) | {rates['layers_cold']:.1f} |")
-    print(f"| the largest layer weight again and again (hot) | {rates['layer_hot']:.1f} |")
-    print(f"| the head, plain | {rates['head_plain']:.1f} |")
-    print(f"| the head, tiled | {rates['head_tiled']:.1f} |")
-    print(f"| 2048^3 (bench real's compute floor) | {floor:.1f} |")
+    print(f"\nbench real's compute floor (2048^3 product): {floor:.1f} GFLOP/s")
+    print("\n| rows | layers, cold (GFLOP/s) | a layer, hot | head, plain | head, tiled "
+          "| a step's products, ms | x the floor's time |")
+    print("|---|---|---|---|---|---|---|")
+    for rows in (PROMPTS * G, BENCH_REAL_ROWS):
+        rates = product_rates(model, rows, repeats)
+        bound = products_bound(rates, floor)
+        print(f"| {rows} | {rates['layers_cold']:.1f} | {rates['layer_hot']:.1f} "
+              f"| {rates['head_plain']:.1f} | {rates['head_tiled']:.1f} "
+              f"| {bound['ms']:.1f} | {bound['x_floor']:.2f} |")
 
     if not same:
         raise SystemExit("the tiled head changed the samples")
