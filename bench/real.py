@@ -16,7 +16,9 @@ package) learns synthetic word problems (real_model.make_word_problems).
 1. floor: memory bandwidth (a 256 MB torch copy, read + write) and the matmul
    rate (2048^3 torch.mm, fp32 and bf16), at 1 and 2 threads, in this process.
 2. speed: train.py for 2 steps with the learning run's settings: the HF engine
-   at fp32 / bf16 x 1 / 2 threads, vLLM at fp32 x 1. The last step's figures;
+   at fp32 / bf16 x 1 / 2 threads, vLLM at fp32 x 1, and the HF engine at fp32
+   x 1 with twice the prompts a step (64 completions: the decode batch, on
+   which the rollout's products' rate depends). The last step's figures;
    bf16 is left out where bf16 torch.mm is slow (no bf16 units). The peak
    resident memory train.py logs (rss_peak_gb: the trainer and the in-process
    vLLM engine).
@@ -69,14 +71,17 @@ TRAIN_FLAGS = [
     "--reward-weights", "0.1", "1.0",
     "--eval-every", "0", "--max-prompt-len", "256",
 ]
-# the speed table: (engine, dtype, threads); the learning run takes the fastest
-# at --threads
+# the speed table: (engine, dtype, threads, prompts a step); the learning run
+# takes the fastest of TRAIN_FLAGS' prompts at --threads
 GRID = [
-    ("hf", "float32", 1),
-    ("hf", "float32", 2),
-    ("hf", "bfloat16", 1),
-    ("hf", "bfloat16", 2),
-    ("vllm", "float32", 1),
+    ("hf", "float32", 1, 4),
+    ("hf", "float32", 2, 4),
+    ("hf", "bfloat16", 1, 4),
+    ("hf", "bfloat16", 2, 4),
+    ("vllm", "float32", 1, 4),
+    # 64 rows a decode step: its products run at 70 GFLOP/s where 32 rows' run
+    # at 59 (python -m bench decode), so the rollout's ratio depends on it
+    ("hf", "float32", 1, 8),
 ]
 # --tiny: the same code paths in a few minutes
 TINY_FLAGS = ["--G", "2", "--prompts-per-step", "2", "--max-new-tokens", "8"]
@@ -197,9 +202,16 @@ def train(out, model, dataset, engine, dtype, threads, steps, flags, eval_size, 
 
 
 def flag(flags, name, default=None):
-    if name in flags:
-        return flags[flags.index(name) + 1]
-    return default
+    """name's value in flags: its last, as train.py's argparse reads them
+    (TINY_FLAGS come after TRAIN_FLAGS)."""
+    values = [value for key, value in zip(flags, flags[1:]) if key == name]
+    return values[-1] if values else default
+
+
+def with_flag(flags, name, value):
+    """flags with each of name's values replaced by value -> a new list."""
+    return [str(value) if i > 0 and flags[i - 1] == name else x
+            for i, x in enumerate(flags)]
 
 
 def floors(record, dtype, floor, params, head, prompt_len, flags):
@@ -295,19 +307,26 @@ def speed_table(args, model, dataset, work, floor, params, head, prompt_len, fla
               f"{floor[1]['float32']:.0f}: no bf16 units, bf16 not run", flush=True)
 
     speed = {}
-    for engine, dtype, threads in grid:
-        out = os.path.join(work, f"speed_{engine}_{dtype}_{threads}")
-        records, wall, others = train(out, model, dataset, engine, dtype, threads, 2,
-                                      flags, 1, False)
+    for engine, dtype, threads, prompts in grid:
+        row_flags = flags
+        if not args.tiny:
+            row_flags = with_flag(flags, "--prompts-per-step", prompts)
+        completions = int(flag(row_flags, "--prompts-per-step")) * int(flag(row_flags, "--G"))
 
-        s = floors(records[-1], dtype, floor[threads], params, head, prompt_len, flags)
+        out = os.path.join(work, f"speed_{engine}_{dtype}_{threads}_{prompts}")
+        records, wall, others = train(out, model, dataset, engine, dtype, threads, 2,
+                                      row_flags, 1, False)
+
+        s = floors(records[-1], dtype, floor[threads], params, head, prompt_len, row_flags)
         # train.py's own peak RSS: the trainer and the in-process engine
         rss = max(r.get("rss_peak_gb", 0.0) for r in records)
-        speed[engine, dtype, threads] = dict(s, others=others, rss_peak_gb=rss)
+        speed[engine, dtype, threads, prompts] = dict(s, others=others, rss_peak_gb=rss,
+                                                      completions=completions)
         # its floor is the larger one: 32 rows a decode step make it
         # compute-bound here
         rollout_floor = max(s["rollout_vs_bandwidth"], s["rollout_vs_compute"])
-        print(f"speed {engine} {dtype} x {threads}: step {s['step_s']:.1f} s, rollout "
+        print(f"speed {engine} {dtype} x {threads}, {completions} completions: step "
+              f"{s['step_s']:.1f} s, rollout "
               f"{s['rollout_s']:.1f} s ({s['rollout_tok_s']:.0f} tok/s, "
               f"{rollout_floor:.2f} of its floor), "
               f"update {s['update_s']:.1f} s "
@@ -354,9 +373,11 @@ def bench_real(args):
     speed = speed_table(args, model, dataset, work, floor, params, head, prompt_len,
                         flags)
 
-    # 3) learning: the fastest setting at --threads, as many steps as fit in
-    # --max-minutes
-    candidates = [k for k in speed if k[2] == args.threads] or list(speed)
+    # 3) learning: the fastest setting of the recipe's prompts a step at
+    # --threads, as many steps as fit in --max-minutes
+    prompts = int(flag(TRAIN_FLAGS, "--prompts-per-step"))
+    recipe = [k for k in speed if args.tiny or k[3] == prompts]
+    candidates = [k for k in recipe if k[2] == args.threads] or recipe
     key = min(candidates, key=lambda k: speed[k]["step_s"])
     steps = args.steps
     if steps is None:
@@ -366,7 +387,9 @@ def bench_real(args):
     print(f"learning: {steps} steps, {' '.join(map(str, key))} thread(s)", flush=True)
 
     out = os.path.join(work, "learn")
-    records, wall, others = train(out, model, dataset, *key, steps, flags, num_eval, True)
+    engine, dtype, threads, _ = key
+    records, wall, others = train(out, model, dataset, engine, dtype, threads, steps, flags,
+                                  num_eval, True)
 
     section = report(records, wall, others, steps, key, speed, floor, params, prompt_len,
                      args, flags, num_eval)
@@ -431,15 +454,15 @@ def report(records, wall, others, steps, key, speed, floor, params, prompt_len, 
             f"{t} thread(s): copy {f['gbps']:.1f} GB/s, mm fp32 {f['float32']:.0f} "
             f"/ bf16 {f['bfloat16']:.0f} GFLOP/s" for t, f in floor.items()) + ".",
         "",
-        "| engine | dtype | threads | step s | rollout s | rollout tok/s "
-        "| x bandwidth floor | x compute floor | update s | update tok/s "
+        "| engine | dtype | threads | completions a step | step s | rollout s "
+        "| rollout tok/s | x bandwidth floor | x compute floor | update s | update tok/s "
         "| x compute floor | peak RSS GiB | other load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
-    for (engine, dtype, threads), s in speed.items():
+    for (engine, dtype, threads, _), s in speed.items():
         lines.append(
-            f"| {engine} | {dtype} | {threads} | {s['step_s']:.1f} "
+            f"| {engine} | {dtype} | {threads} | {s['completions']} | {s['step_s']:.1f} "
             f"| {s['rollout_s']:.1f} "
             f"| {s['rollout_tok_s']:.0f} | {s['rollout_vs_bandwidth']:.2f} "
 

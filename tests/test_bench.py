@@ -154,6 +154,29 @@ def test_trl_real_summary_leaves_the_first_step_out():
                                                    rss_peak_gb=1.0)]
 
 
+def test_real_reads_a_flag_as_train_py_does():
+    """bench real: a flag given twice (TINY_FLAGS after TRAIN_FLAGS) counts
+    at its last value, as argparse reads it; with_flag changes a copy."""
+    from bench.real import TINY_FLAGS, TRAIN_FLAGS, flag, floors, with_flag
+
+    tiny = TRAIN_FLAGS + TINY_FLAGS
+    assert (flag(tiny, "--G"), flag(tiny, "--prompts-per-step")) == ("2", "2")
+    assert flag(tiny, "--beta", "0") == "0"
+    assert flag(tiny, "--no-such-flag", "x") == "x"
+
+    doubled = with_flag(tiny, "--prompts-per-step", 8)
+    assert flag(doubled, "--prompts-per-step") == "8"
+    assert flag(tiny, "--prompts-per-step") == "2"
+    assert len(doubled) == len(tiny)
+
+    # the floors count the completions of the flags' last values: 2 x 2 x 8
+    record = dict(len_mean=8.0, len_max=8, time_rollout=1.0, time_update=1.0,
+                  tokens_per_s=32.0)
+    floor = {"float32": 1.0, "gbps": 1.0}
+    s = floors(record, "float32", floor, params=10e9, head=0, prompt_len=0, flags=tiny)
+    assert math.isclose(s["rollout_vs_compute"], 2 * 10e9 * 32 / 1e9)
+
+
 def test_learn_counts_training_seconds_and_reports_each_runs_gain():
     """learn: the clock sums a step's time_* keys (an evaluation is not one of
     them), and the table gives each run's start, end, gain, best and cut answers."""
