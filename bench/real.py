@@ -384,10 +384,10 @@ def bench_real(args):
         steps = max(2, int(args.max_minutes * 60 / speed[key]["step_s"]))
     if args.tiny:
         steps = 2
-    print(f"learning: {steps} steps, {' '.join(map(str, key))} thread(s)", flush=True)
+    engine, dtype, threads, _ = key
+    print(f"learning: {steps} steps, {engine} {dtype} {threads} thread(s)", flush=True)
 
     out = os.path.join(work, "learn")
-    engine, dtype, threads, _ = key
     records, wall, others = train(out, model, dataset, engine, dtype, threads, steps, flags,
                                   num_eval, True)
 
