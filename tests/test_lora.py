@@ -170,7 +170,6 @@ def test_hf_engine_samples_through_merged_adapters(tiny, data, monkeypatch):
     assert not any("forward" in vars(m) for m in layers)
     assert all(torch.equal(p, frozen[n]) for n, p in policy.named_parameters())
 
-
     # the engine's samples: a new engine each, the same seed for its first call
     merged = HFEngine(policy, tokenizer, seed=0).generate(prompts, G, 12, temperature=1.0)
     monkeypatch.setattr(rollout, "merged_adapters", lambda model: contextlib.nullcontext())
