@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from common import collective_device
-from model import completion_logits, entropy_from_logits, truncate_logits
+from model import truncate_logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,9 +103,10 @@ def high_entropy_mask(entropies, mask, quantile):
 
 
 @torch.no_grad()
-def policy_entropies(model, prompts, completion_ids, *, temperature, micro, dtype,
+def policy_entropies(forward, model, prompts, completion_ids, *, temperature, micro, dtype,
                      top_k=0, top_p=1.0, min_p=0.0):
-    """Per-token entropies (N, T) of the completions under model.
+    """Per-token entropies (N, T) of the completions under model, through
+    forward (a model.Forward).
 
     micro sequences a forward, as in the update: the logits alive at once are
     (micro, T, V). top_k, top_p, min_p: the sampler's filters, replayed as the
@@ -115,9 +116,9 @@ def policy_entropies(model, prompts, completion_ids, *, temperature, micro, dtyp
     entropies = []
     for i in range(0, completion_ids.shape[0], micro):
         ids = completion_ids[i:i + micro]  # (micro, T)
-        logits = completion_logits(model, prompts, slice(i, i + micro), ids, dtype)
+        logits = forward.logits(model, prompts, slice(i, i + micro), ids, dtype)
         logits = truncate_logits(logits, ids, temperature, top_k, top_p, min_p)
-        entropies.append(entropy_from_logits(logits, temperature))  # (micro, T)
+        entropies.append(forward.entropies(logits, temperature))  # (micro, T)
     return torch.cat(entropies)  # (N, T)
 
 

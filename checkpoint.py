@@ -61,7 +61,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from common import all_ranks_ok, barrier, master, rank
-from lora import is_lora, load_adapter, merged_state_dict
 
 # full tensors (FSDP: gathered)
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -270,7 +269,9 @@ def save_model(model, path, state_dict, tokenizer):
     A LoRA policy is saved merged, as the engine samples from it, under plain
     names, with its adapter in path/adapter.
     """
-    if is_lora(model):
+    if hasattr(model, "peft_config"):  # LoRA (lora.is_lora)
+        from lora import merged_state_dict
+
         # adapter_model.safetensors + its config
         model.save_pretrained(os.path.join(path, "adapter"))
         state_dict = merged_state_dict(model, state_dict)
@@ -368,7 +369,9 @@ def restore(path, saved, model, optimizer, engine, device, reference=None):
     """
     # the policy was built from the initial model: the checkpoint's adapter is the
     # trained part
-    if is_lora(model):
+    if hasattr(model, "peft_config"):  # LoRA (lora.is_lora)
+        from lora import load_adapter
+
         load_adapter(model, os.path.join(path, "model", "adapter"))
 
     options = StateDictOptions(full_state_dict=True)

@@ -12,11 +12,7 @@ It imports nothing from the project.
     mark(phase), startup_line  how long each start-up phase took
     step_line(record)          the one line printed per step
     private_rng(seed), unwrap  a seeded stretch of the global RNGs; the module under DDP
-    forwards_replaced(pairs)   modules' forwards swapped for functions while a context lasts
-    release_free_memory()      hand the C heap's free pages back to the system (glibc)
 """
-import ctypes
-import ctypes.util
 import importlib
 import logging
 import os
@@ -36,26 +32,6 @@ rank = int(os.environ.get("RANK", 0))
 world = int(os.environ.get("WORLD_SIZE", 1))
 master = rank == 0
 ddp = world > 1
-
-
-@contextmanager
-def forwards_replaced(pairs):
-    """Within it, each (module, function) pair's module runs function as its
-    forward; the forward it had again after. The function is an instance
-    attribute, which nn.Module.__call__ finds before the class's method. They
-    nest: a function may wrap the module's forward as it finds it (its class's,
-    or an outer context's)."""
-    before = [(module, vars(module).get("forward")) for module, _ in pairs]
-    for module, forward in pairs:
-        module.forward = forward
-    try:
-        yield
-    finally:
-        for module, forward in reversed(before):
-            if forward is None:
-                del module.forward
-            else:
-                module.forward = forward
 
 
 def cause(e):
@@ -287,34 +263,6 @@ def result_everywhere(future):
     errors = [None] * world
     dist.all_gather_object(errors, error)
     raise next(e for e in errors if e is not None)
-
-
-def _libc_trim():
-    """glibc's malloc_trim, or None (musl, macOS)."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-_malloc_trim = _libc_trim()
-
-
-def release_free_memory():
-    """Give the pages of freed CPU tensors back to the system.
-
-    glibc keeps freed blocks under its mmap threshold (which grows to 32 MB as
-    large blocks are freed) in its heap, and only the heap's top is returned by
-    itself. A backward frees hundreds of such blocks between live ones, so the
-    resident set stays hundreds of MB above the live tensors, and the next
-    forward's differently sized blocks do not all fit the holes. malloc_trim(0)
-    releases every free page (https://man7.org/linux/man-pages/man3/malloc_trim.3.html);
-    the next use faults them back in. A call walks the whole heap (tens of ms in
-    a process that has loaded torch), so train.py calls it only for large models.
-    No-op off glibc.
-    """
-    if _malloc_trim is not None:
-        _malloc_trim(0)
 
 
 def unwrap(model):

@@ -288,6 +288,10 @@ add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
     help="compute dtype; weights stay fp32; auto: bf16 on CUDA")
 add("--fsdp", action="store_true",
     help="shard the policy (and reference) with FSDP2, per decoder layer")
+add("--fast", default="auto", choices=["auto", "on", "off"],
+    help="the speed machinery in fast/, installed once at load (fast.install): auto "
+         "turns on what is measured to help on this device, on all of it where it "
+         "applies, off the plain reference path")
 
 
 def parse_args(argv=None):
@@ -438,10 +442,29 @@ def dependent_flag_errors(args):
     return errors
 
 
+def loss_rule_broken(args):
+    """The line of the first rule between the loss's flags that args break, or None.
+
+    The rules live beside the settings they guard (loss.check_settings), which
+    a caller that builds loss.LossSettings itself runs too.
+    """
+    from loss import LossSettings, check_settings  # torch: once the flags have parsed
+
+    # auto picks the kernel only where it runs (loss.choose_impl): the rules
+    # that refuse it are for --loss-impl triton
+    impl = "triton" if args.loss_impl == "triton" else "torch"
+    try:
+        check_settings(LossSettings.from_flags(args, impl=impl))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def check_flags(args):
     """The rules between train.py's flags, before any heavy work.
 
-    One clear line each, and the same verdict on every rank.
+    One clear line each, and the same verdict on every rank. The loss's rules:
+    loss.check_settings (loss_rule_broken).
     """
     # the batch sizes: completions per rank per step, per optimizer step, per forward
     n_local = args.prompts_per_step // max(1, world) * args.G
@@ -468,6 +491,7 @@ def check_flags(args):
     tools_flag = "--tools " + " ".join(args.tools or [])
     if args.environment:
         tools_flag = "--environment"
+    loss_error = loss_rule_broken(args)
 
     checks = [
         (not (uses_tools(args) and no_tools),
@@ -512,30 +536,8 @@ def check_flags(args):
          "--vllm-tp applies to the colocated vLLM engine: drop it with --engine hf, "
          "or set the server's own TP"),
 
-        (args.loss_type != "luspo" or args.importance_sampling_level == "sequence",
-         "--loss-type luspo is GSPO's sequence ratio, weighed by length: add "
-         "--importance-sampling-level sequence"),
-        (args.loss_type != "vespo" or args.importance_sampling_level == "token",
-         "--loss-type vespo builds its sequence weight from the token ratios: drop "
-         "--importance-sampling-level sequence"),
-        (args.loss_type != "vespo" or not args.is_correction.startswith("sequence"),
-         f"--loss-type vespo adds the token IS ratios to its sequence ratio: use "
-         f"--is-correction {args.is_correction.replace('sequence', 'token')}"),
-        (args.loss_impl != "triton" or args.importance_sampling_level != "sequence",
-         "--loss-impl triton supports --importance-sampling-level token only; "
-         "use --loss-impl torch"),
-        (args.loss_impl != "triton" or args.loss_type != "vespo",
-         "--loss-impl triton has no per-sequence weight for --loss-type vespo: "
-         "use --loss-impl torch"),
-        (args.delta is None or args.loss_type not in CLIPPED_LOSS_TYPES
-         or args.delta > 1 + args.epsilon_high,
-         f"--delta {args.delta} caps the ratio where A < 0 above the clip: give "
-         f"--delta > 1 + --epsilon-high = {1 + args.epsilon_high:g} (INTELLECT-2: 4)"),
-        (args.loss_type != "cispo" or args.epsilon_high >= 1,
-         "--loss-type cispo caps the IS weight at --epsilon-high itself: "
-         "give a cap >= 1 (e.g. 5)"),
-        (args.is_min <= args.is_max,
-         f"--is-min {args.is_min} must be <= --is-max {args.is_max}"),
+        # luspo and vespo's levels, the kernel's reach, delta, cispo's cap, the IS bounds
+        (loss_error is None, loss_error),
         (not (args.tis_cap and args.is_correction != "off"),
          "--tis-cap C is --is-correction token_truncate --is-max C: "
          "give one of the two"),

@@ -7,16 +7,13 @@ the forward that turns a rollout into the logits and log-probs the loss needs.
     load_model(path, dtype, ...)   the policy (fp32 weights) or a frozen model (in dtype)
     load_reference(policy, ...)    the frozen reference for --beta > 0
     prompt_batch(prompt_ids, pad)  a rollout's distinct prompts, left-padded
-    completion_logits(model, ...)  (n, T, V) logits of the completions, prefix shared
+    completion_logits(model, ...)  (n, T, V) logits of the completions
     selective_log_softmax(logits, ids)  log softmax(logits / temperature)[ids], fp32
+    entropy_from_logits(logits)    (n, T) entropies, fp32
+    Forward                        those three, which fast.install can swap (fast/update.py)
     kept_tokens(scores, ...)       the tokens top-k / top-p / min-p keep (both engines)
     truncate_logits(logits, ids, ...)  the sampler's support replayed on the trainer's logits
-    sequence_logps(model, ...)     (N, T) log-probs of the completions, by micro-batch
-    completion_logps(model, ...)   the update's log-probs, LM head and log-prob fused (CPU, fp32),
-                                   the per-position modules on the real tokens only
-                                   (packed_positions)
-    SharedPrefix                   the HF engine's decode attention, each prompt's keys once (CPU)
-    auto_micro_batch(...)          completions per forward when --micro-batch-size is 0
+    sequence_logps(forward, ...)   (N, T) log-probs of the completions, by micro-batch
 
 Mixed precision, as PyTorch users expect: the policy's weights, gradients and
 AdamW states are fp32, and only the compute runs in --dtype (torch.autocast).
@@ -39,26 +36,22 @@ Simplifications:
 1. Full weights load on the CPU first. With FSDP2 each decoder layer is then
    sharded, so only this rank's shard moves to the device
    (https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html).
-2. FSDP2 models run one forward over whole sequences instead of sharing the
-   prompt's prefix: a second forward before the backward breaks FSDP2's backward
-   (its resharded weights).
+2. The update's forward runs each completion with its whole prompt, as one
+   sequence. fast/update.py runs a prompt once for its G completions.
 """
-import contextlib
 import glob
 import json
 import os
-from contextlib import contextmanager
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
-from torch.distributed.fsdp import FSDPModule
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from common import cause, forwards_replaced, unwrap
-from lora import AdaptersOff, add_lora, is_lora
+from common import cause
 
 
 # -----------------------------------------------------------------------------
@@ -164,11 +157,8 @@ def load_model(path, dtype, device, fsdp=False, lora=None, frozen=False, recompu
         weights_dtype = dtype
     else:
         weights_dtype = torch.float32
-    attention = {}
-    if torch.device(device).type == "cpu":
-        attention = dict(attn_implementation=register_gqa_attention())
     try:
-        m = AutoModelForCausalLM.from_pretrained(path, dtype=weights_dtype, **attention)
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=weights_dtype)
     # OSError (no weights), SafetensorError (cut short), RuntimeError (shapes)
     except Exception as e:
         first_line = str(e).strip().splitlines()[0]
@@ -185,143 +175,12 @@ def load_model(path, dtype, device, fsdp=False, lora=None, frozen=False, recompu
         fully_shard(m, mp_policy=mixed)
 
     if lora:
+        from lora import add_lora
+
         m = add_lora(m, lora)
     elif frozen:
         m = m.eval().requires_grad_(False)
     return m.to(device)
-
-
-# sdpa_gqa_attention's name in transformers' registry of attention functions
-GQA_ATTENTION = "tinygrpo_sdpa_gqa"
-
-
-def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                       is_causal=None, shared_prefix=None, **kwargs):
-    """transformers' "sdpa" attention, with the grouped KV heads passed as they
-    are (enable_gqa) even under a padding mask. With shared_prefix (the HF
-    engine's decode steps), key and value are the completions' own, and the
-    prompts' come from it (SharedPrefix.attend).
-
-    transformers repeats each KV head for its query heads first wherever there
-    is a mask, because CUDA's fused kernels take no mask with GQA. On CPU that
-    copy costs a fifth of a decode step (SmolLM2: 3 KV heads for 9 query heads),
-    and the update saves the repeated copies for backward. The same numbers:
-    tests/test_decode.py.
-    query (b, H, q, d), key and value (b, H_kv, k, d) -> ((b, q, H, d), None).
-    """
-    if shared_prefix is not None:
-        return shared_prefix.attend(module.layer_idx, query, key, value, scaling), None
-
-    if is_causal is None:
-        is_causal = getattr(module, "is_causal", True)
-    # a mask, or a single query (decode), is never causal here
-    is_causal = bool(is_causal and attention_mask is None and query.shape[2] > 1)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
-        is_causal=is_causal, enable_gqa=key.shape[1] != query.shape[1])  # (b, H, q, d)
-    return out.transpose(1, 2).contiguous(), None
-
-
-class SharedPrefix:
-    """A decode step's attention over each prompt's keys and values once for
-    all its rows (cascade attention), then over each row's own completion.
-
-        softmax([q Kp, q Kc]) [Vp; Vc] = (a Op + b Oc) / (a lp + b lc)
-
-    where Op = exp(q Kp - mp) Vp and lp its sum of weights over the prompt,
-    Oc and lc over the completion, and a = exp(mp - m), b = exp(mc - m) rescale
-    both to the larger maximum m
-    (https://arxiv.org/abs/2205.14135, the online softmax's merge).
-
-    Why: a prompt's G rows share its keys and values. Copied to every row, each
-    decode step reads them G times (bench real: 110 prompt slots of a row's
-    ~140, for 8 rows). Here a prompt's rows are one matmul against its keys.
-
-    prefill_cache: the prompts' cache (B rows, (B, H_kv, P, d) a layer);
-    prompt_mask (B, P) bool, 0 at left padding; prompt_of (A,) each decode
-    row's prompt, ascending (a prompt's rows consecutive). keep drops rows.
-    The same outputs as attention over the whole row, to rounding
-    (tests/test_decode.py).
-    """
-
-    def __init__(self, prefill_cache, prompt_mask, prompt_of):
-        self.keys = [layer.keys for layer in prefill_cache.layers]  # (B, H_kv, P, d) each
-        self.values = [layer.values for layer in prefill_cache.layers]
-        # 0 where a prompt token is, -inf at its left padding
-        bias = torch.zeros(prompt_mask.shape, dtype=self.keys[0].dtype,
-                           device=prompt_mask.device)  # (B, P)
-        self.bias = bias.masked_fill(~prompt_mask, -torch.inf)[:, None, None]  # (B, 1, 1, P)
-        self._place(prompt_of)
-
-    def keep(self, rows):
-        """Only these rows (A',) of the batch go on."""
-        self._place(self.prompt_of[rows])
-
-    def _place(self, prompt_of):
-        # each prompt's rows in a (B, n) grid, n its most rows: slot is a row's
-        # place in it, rows a slot's row (an empty slot repeats row 0; its
-        # output is never read)
-        self.prompt_of = prompt_of  # (A,)
-        B = len(self.keys[0])
-        counts = torch.bincount(prompt_of, minlength=B)  # (B,)
-        first = counts.cumsum(0) - counts  # (B,) each prompt's first row
-        self.n = int(counts.max())
-        rank = torch.arange(len(prompt_of), device=prompt_of.device) - first[prompt_of]  # (A,)
-        self.slot = prompt_of * self.n + rank  # (A,)
-        self.rows = torch.zeros(B * self.n, dtype=torch.long, device=prompt_of.device)
-        self.rows[self.slot] = torch.arange(len(prompt_of), device=prompt_of.device)
-
-    def attend(self, layer, query, keys, values, scaling):
-        """query (A, H, 1, d); keys and values (A, H_kv, L, d): the completions'
-        filled slots -> (A, 1, H, d)."""
-        A, H, _, d = query.shape
-        B, H_kv, P, _ = self.keys[layer].shape
-        g = H // H_kv  # query heads a KV head
-        q = query.view(A, H_kv, g, d)  # (A, H_kv, g, d), head h * g + i reads KV head h
-
-        # 1) the prompts: a prompt's rows in one matmul, (B, H_kv, n * g, d)
-        grid = q[self.rows].view(B, self.n, H_kv, g, d).transpose(1, 2).reshape(
-            B, H_kv, self.n * g, d)
-        scores = torch.matmul(grid, self.keys[layer].transpose(-1, -2))  # (B, H_kv, n*g, P)
-        scores = scores.mul_(scaling).add_(self.bias)
-        prompt_out, prompt_max, prompt_sum = _partial_softmax(scores, self.values[layer])
-
-        # back to the rows: (A, H_kv, g, ...)
-        def by_row(x):  # (B, H_kv, n * g, k) -> (A, H_kv, g, k)
-            k = x.shape[-1]
-            x = x.view(B, H_kv, self.n, g, k).transpose(1, 2).reshape(B * self.n, H_kv, g, k)
-            return x[self.slot]
-        prompt_out, prompt_max, prompt_sum = map(by_row, (prompt_out, prompt_max, prompt_sum))
-
-        # 2) each row's own completion
-        scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scaling)  # (A, H_kv, g, L)
-        own_out, own_max, own_sum = _partial_softmax(scores, values)
-
-        # 3) both, rescaled to the larger maximum
-        top = torch.maximum(prompt_max, own_max)  # (A, H_kv, g, 1)
-        a = (prompt_max - top).exp_()
-        b = (own_max - top).exp_()
-        out = (prompt_out * a + own_out * b) / (prompt_sum * a + own_sum * b)  # (A, H_kv, g, d)
-        return out.view(A, 1, H, d)
-
-
-def _partial_softmax(scores, values):
-    """softmax(scores) values, unnormalised: -> (exp(scores - max) values, max,
-    sum of exp(scores - max)); scores (..., L) are overwritten."""
-    top = scores.amax(-1, keepdim=True)  # (..., 1)
-    weights = scores.sub_(top).exp_()  # (..., L)
-    return torch.matmul(weights, values), top, weights.sum(-1, keepdim=True)
-
-
-def register_gqa_attention():
-    """Register sdpa_gqa_attention with transformers (once) -> its name, for
-    from_pretrained(attn_implementation=...). Its masks are sdpa's."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    AttentionInterface.register(GQA_ATTENTION, sdpa_gqa_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(GQA_ATTENTION, sdpa_mask)
-    return GQA_ATTENTION
 
 
 def load_reference(policy, path, dtype, device, fsdp):
@@ -330,7 +189,9 @@ def load_reference(policy, path, dtype, device, fsdp):
     With LoRA there is no second copy of the weights: the reference is the policy
     itself with its adapters off (lora.AdaptersOff).
     """
-    if is_lora(policy):
+    if hasattr(policy, "peft_config"):  # LoRA (lora.is_lora)
+        from lora import AdaptersOff
+
         return AdaptersOff(policy)
     return load_model(path, dtype, device, fsdp, frozen=True)
 
@@ -386,351 +247,78 @@ def prompt_batch(prompt_ids, pad_id):
     return (*sequence_batch(prompts, no_completions, pad_id), prompt_row)
 
 
-def completion_logits(model, prompts, rows, completion_ids, dtype=torch.float32, kept=None):
+def completion_logits(model, prompts, rows, completion_ids, dtype=torch.float32):
     """Logits (n, T, V) that predict completion_ids (n, T), autocast to dtype.
 
-    completion_ids are the completions of `rows`, a slice of the rollout.
-    kept (n, T) bool, optional: the positions whose logits count. The MLPs and
-    attention projections then skip the others (packed_positions), whose logits
-    are not the model's.
-    Prefix sharing: the G completions of a prompt share its forward. That is
-    B*(P-1) + n*T tokens instead of n*(P+T), with the same logits and gradients
-    to rounding (tests/test_prefix_sharing.py). FSDP2 models run whole sequences
-    (simplification 2).
+    completion_ids are the completions of `rows`, a slice of the rollout. One
+    forward over each completion's prompt and its tokens but the last: position
+    P-1+t predicts completion token t.
     """
     prompt_ids, prompt_mask, positions, prompt_row = prompts  # (B, P) x3, (N,)
-    row = prompt_row[rows]  # (n,) the prompt of each completion of this micro-batch
-
-    # a group's completions are consecutive: this micro-batch's prompts are a range
-    lo = row[0].item()
-    hi = row[-1].item() + 1
-    ids = prompt_ids[lo:hi]
-    mask = prompt_mask[lo:hi]
-    positions = positions[lo:hi]
-    row = row - lo
-
+    row = prompt_row[rows]  # (n,) the prompt of each completion
     n, T = completion_ids.shape
-    # the shared prefix's length
-    if isinstance(model, FSDPModule):
-        S = 0
-    else:
-        S = ids.shape[1] - 1
 
-    device_type = completion_ids.device.type
-    autocast = torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32)
-    # the lookups' gradients go into .grad row by row (sparse_embedding_grads)
-    with autocast, sparse_embedding_grads(model), rms_norms_by_hand(model):
-        # 1) the prompts minus their last token, once each: their KV cache
-        # (a 1-position LM head)
-        cache = None
-        if S > 0:
-            prefix = replayable_cache(model, PrefixLayer)
-            model(input_ids=ids[:, :S], attention_mask=mask[:, :S],
-                  position_ids=positions[:, :S], past_key_values=prefix, use_cache=True,
-                  logits_to_keep=1)
+    # [prompt, completion[:-1]]; the completion's positions follow the prompt's last
+    input_ids = torch.cat([prompt_ids[row], completion_ids[:, :-1]], 1)  # (n, P+T-1)
+    ones = torch.ones_like(completion_ids[:, :-1])  # (n, T-1)
+    attention_mask = torch.cat([prompt_mask[row], ones], 1)  # (n, P+T-1)
+    tail = torch.arange(1, T, device=completion_ids.device)  # (T-1,)
+    position_ids = torch.cat([positions[row], positions[row, -1:] + tail], 1)  # (n, P+T-1)
 
-            # the prefix's backward apart from the completions' (backward_apart)
-            if torch.is_grad_enabled() and not isinstance(model, DistributedDataParallel):
-                backward_apart(prefix.layers)
-
-            # 2) the cache, gathered to the n completions (a differentiable index)
-            cache = replayable_cache(model, ExtendLayer)
-            for i, layer in enumerate(prefix.layers):
-                if isinstance(layer, PrefixLayer):
-                    cache.layers[i].hold(layer.keys[row], layer.values[row])  # (n, H_kv, S, d)
-                else:
-                    # a sliding-window layer: transformers' own, gathered in place
-                    layer.batch_select_indices(row)
-                    cache.layers[i] = layer
-
-        # 3) each completion on top of it, fed [last prompt token, completion[:-1]]
-        # completion[:-1] follows the prompt's last position
-        tail = torch.arange(1, T, device=ids.device)
-        input_ids = torch.cat([ids[row, S:], completion_ids[:, :-1]], 1)  # (n, P-S+T-1)
-        ones = torch.ones_like(completion_ids[:, :-1])  # (n, T-1)
-        attention_mask = torch.cat([mask[row], ones], 1)  # (n, P+T-1)
-        prefix_positions = positions[row, S:]  # (n, P-S)
-        completion_positions = positions[row, -1:] + tail  # (n, T-1)
-        position_ids = torch.cat([prefix_positions, completion_positions], 1)  # (n, ...)
-
-        # a tied LM head's gradient goes into .grad at once (tied_head_apart)
-        forward = model
-        if torch.is_grad_enabled() and not isinstance(model, DistributedDataParallel):
-            forward = tied_head_apart(model)
-
-        # the MLPs and projections on the kept positions only: input position
-        # t predicts completion token t (the prefix shared; FSDP2 runs whole
-        # sequences)
-        packing = contextlib.nullcontext()
-        if kept is not None and input_ids.shape[1] == T:
-            packing = packed_positions(model, kept)
-        with packing:
-            return forward(input_ids=input_ids, attention_mask=attention_mask,
-                           position_ids=position_ids, past_key_values=cache,
-                           use_cache=False, logits_to_keep=T).logits  # (n, T, V)
+    autocast = torch.autocast(completion_ids.device.type, dtype=dtype,
+                              enabled=dtype != torch.float32)
+    with autocast:
+        return model(input_ids=input_ids, attention_mask=attention_mask,
+                     position_ids=position_ids, use_cache=False,
+                     logits_to_keep=T).logits  # (n, T, V)
 
 
-def fusable_head(model):
-    """Can completion_logps run on model? A plain bias-free fp32 Linear head on
-    the CPU, with the model itself as the trainer holds it (not DDP- or
-    FSDP2-wrapped, no LoRA on the head)."""
-    if isinstance(model, (DistributedDataParallel, FSDPModule)):
-        return False
-    head = model.get_output_embeddings()
-    return (type(head) is torch.nn.Linear and head.bias is None
-            and head.weight.device.type == "cpu" and head.weight.dtype == torch.float32)
+def upcast(logits, temperature):
+    # bf16 logits are upcast before dividing, so the result does not depend on
+    # bf16 rounding. fp64 stays fp64 so that gradcheck can run on these functions.
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    return logits.to(dtype) / temperature  # (..., V)
 
 
-def head_off(model):
-    """Within it, model's LM head is the identity: its forward's "logits" are
-    the final hidden states (..., d)."""
-    return forwards_replaced([(model.get_output_embeddings(), lambda x: x)])
+def selective_log_softmax(logits, ids, temperature=1.0):
+    """log softmax(logits / temperature)[ids]: (n, T, V), (n, T) -> (n, T) in fp32.
 
-
-# a decoder layer's attention projections by their names in Llama, Qwen2/3 and
-# Mistral: each maps a position to a position, as the MLP does
-ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-def packed_positions(model, kept):
-    """Within it, each decoder layer's MLP and attention projections
-    (ATTENTION_PROJECTIONS) run on the positions kept marks ((n, L) bool) of an
-    (n, L, ...) input, and give 0 at the others. Inputs of another shape run as
-    they are. Only attention itself sees every position.
-
-    Why: a micro-batch's completions are padded to its longest, and those
-    modules (all of a Llama or Qwen layer's weights) would multiply the padding
-    too: a seventh of bench real's positions. A padded position comes after
-    every real one of its row, so no real position attends to it (its keys and
-    values are 0 here): the kept positions' outputs are the same, to rounding
-    (tests/test_prefix_sharing.py). A no-op where the layers are recomputed in
-    the backward (--gradient-checkpointing): the replay runs after the context
-    ends, and must repeat the forward's shapes.
+    It must use the sampling temperature, or the ratio is off-policy.
     """
-    modules = []
-    for layer in decoder_layers(model):
-        if _is_recomputed(layer):
-            continue
-        attention = getattr(layer, "self_attn", None)
-        candidates = [getattr(layer, "mlp", None)]
-        candidates += [getattr(attention, name, None) for name in ATTENTION_PROJECTIONS]
-        modules += [m for m in candidates if isinstance(m, torch.nn.Module)]
-
-    index = kept.flatten().nonzero()[:, 0]  # (k,) the kept positions of n * L
-    # m.forward: the class's, or merged_adapters' (LoRA)
-    return forwards_replaced([(m, partial(_packed_forward, m.forward, kept.shape, index))
-                              for m in modules])
+    logps = upcast(logits, temperature).log_softmax(-1)  # (n, T, V)
+    return logps.gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # (n, T)
 
 
-def _packed_forward(forward, shape, index, x):  # x (n, L, d)
-    if x.shape[:2] != shape:
-        return forward(x)
-    rows = x.reshape(-1, x.shape[-1])  # (n * L, d)
-    out = forward(rows.index_select(0, index))  # (k, d_out)
-    packed = out.new_zeros(len(rows), out.shape[-1])  # (n * L, d_out)
-    return packed.index_copy(0, index, out).view(*x.shape[:-1], out.shape[-1])  # (n, L, d_out)
+def entropy_from_logits(logits, temperature=1.0):
+    """Entropy -sum_v p_v log p_v of p = softmax(logits / temperature).
 
-
-# transformers' RMSNorms that compute weight * (x * rsqrt(mean(x^2) + eps)) in fp32
-RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
-
-
-def rms_norms_by_hand(model):
-    """Within it, each RMSNorm of model (RMS_NORMS) runs RMSNormFunction in a
-    forward with gradients of an fp32 input (no autocast); else its own
-    forward. A no-op without gradients, under FSDP2 (sharded weights), and
-    where layers are recomputed in the backward (--gradient-checkpointing): the
-    replay runs after the context ends, and must save what the forward saved.
+    (n, T, V) -> (n, T) in fp32.
     """
-    # no backward to run (the reference, an AdaptersOff, is never trained)
-    if not torch.is_grad_enabled() or not isinstance(model, torch.nn.Module):
-        return forwards_replaced([])
-    recomputed = any(_is_recomputed(layer) for layer in decoder_layers(model))
-    if isinstance(model, FSDPModule) or recomputed:
-        return forwards_replaced([])
-
-    norms = [m for m in model.modules() if type(m).__name__ in RMS_NORMS]
-    return forwards_replaced([(norm, partial(_rms_norm_forward, norm)) for norm in norms])
+    logp = upcast(logits, temperature).log_softmax(-1)  # (n, T, V)
+    p = logp.exp()  # (n, T, V)
+    # 0 * log 0 = 0, not NaN, at -inf logits
+    return -(p * logp.masked_fill(p == 0, 0.0)).sum(-1)  # (n, T)
 
 
-def _rms_norm_forward(norm, x):
-    by_hand = (torch.is_grad_enabled() and x.dtype == norm.weight.dtype == torch.float32
-               and not torch.is_autocast_enabled(x.device.type))
-    if not by_hand:
-        return type(norm).forward(norm, x)
-    return RMSNormFunction.apply(x, norm.weight, norm.variance_epsilon)
+@dataclass(frozen=True)
+class Forward:
+    """The functions the trainer's forwards go through: the plain ones above.
+    fast.install gives train.py equals that run faster (fast/update.py), the
+    same numbers to rounding (tests/test_fast.py).
 
-
-class RMSNormFunction(torch.autograd.Function):
-    """y = w * (x * r), r = rsqrt(mean(x^2) + eps) over the last dimension,
-    the forward's bits those of transformers' RMSNorm, its backward by hand:
-
-        dx = r * (g w - x * r^2 * mean(x * g w))
-        dw = the sum over positions of g * x * r
-
-    Why: autograd's backward of transformers' forward is a dozen elementwise
-    ops over the (n, L, d) activations, each a pass over memory, 61 times a
-    forward for SmolLM2; this one is five. Gradients equal to rounding
-    (tests/test_prefix_sharing.py).
+    head_logps, when set, replaces logits then logps where the loss needs
+    nothing else: (model, prompts, rows, completion_ids, completion_mask,
+    temperature) -> (n, T) log-probs, the LM head fused in.
     """
 
-    @staticmethod
-    def forward(ctx, x, weight, eps):  # (..., d), (d,)
-        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
-        ctx.save_for_backward(x, weight, rstd)
-        return weight * (x * rstd)  # (..., d)
-
-    @staticmethod
-    def backward(ctx, grad):  # (..., d)
-        x, weight, rstd = ctx.saved_tensors
-        grad_normed = grad * weight  # (..., d)
-        dot = (grad_normed * x).mean(-1, keepdim=True)  # (..., 1)
-        grad_x = (grad_normed - x * (rstd * rstd * dot)) * rstd  # (..., d)
-
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = (grad * x * rstd).reshape(-1, x.shape[-1]).sum(0)  # (d,)
-        return grad_x, grad_weight, None
-
-
-def completion_logps(model, prompts, rows, completion_ids, completion_mask, temperature):
-    """Log-probs (n, T) of completion_ids under model, fp32, 0 at padding: the
-    model's forward as completion_logits's, then the LM head and the log-prob
-    fused (HeadLogps) over the positions completion_mask keeps.
-
-    Why: the update's logits (n, T, V) are its largest tensors on the CPU.
-    Here only one (k, V) buffer of the k real tokens exists, inside HeadLogps:
-    no head work on padding, and no logits-sized temporaries. The same
-    log-probs and gradients to rounding (tests/test_prefix_sharing.py).
-    Only where fusable_head(model); the loss must need nothing but the
-    log-probs (no entropy, no truncated sampling).
-    """
-    kept = completion_mask.bool()  # (n, T)
-    with head_off(model):
-        hidden = completion_logits(model, prompts, rows, completion_ids,
-                                   kept=kept)  # (n, T, d)
-
-    weight = model.get_output_embeddings().weight  # (V, d)
-    kept_logps = HeadLogps.apply(hidden[kept], weight, completion_ids[kept],
-                                 temperature)  # (k,)
-    logps = torch.zeros(completion_ids.shape, dtype=kept_logps.dtype,
-                        device=kept_logps.device)  # (n, T)
-    return logps.index_put((kept,), kept_logps)  # (n, T)
-
-
-def backward_apart(layers):
-    """Cut the prefix's keys and values out of the completions' graph: each
-    layer's keys and values are swapped for leaves, and once the completions'
-    backward has given all the leaves' gradients, a second backward takes them
-    through the prefix's forward.
-
-    Why: every weight is used twice, by the prefix's forward and by the
-    completions'. In one graph, autograd holds each weight's first gradient
-    until the second arrives, so a whole second set of gradients (the model's
-    size) lives at the backward's peak. Apart, each gradient is added to .grad
-    as soon as it is computed. The sum is the same, to rounding. Not under DDP:
-    its hooks expect one gradient a weight a backward.
-    """
-    prefix_kv = []
-    leaves = []
-    for layer in layers:
-        keys = getattr(layer, "keys", None)
-        if keys is None or not keys.requires_grad:
-            continue
-        prefix_kv += [layer.keys, layer.values]
-        layer.keys = layer.keys.detach().requires_grad_()
-        layer.values = layer.values.detach().requires_grad_()
-        leaves += [layer.keys, layer.values]
-    if not leaves:
-        return
-
-    def backward_prefix(grads):
-        # the hook's closure holds the leaves' AccumulateGrad nodes, which hold
-        # the leaves, which hold the hook: a cycle through C++ that Python's gc
-        # cannot see, and with it the prefix's graph. Unhooked once this
-        # backward is done (not inside the hook, which the engine is running)
-        engine = torch.autograd.Variable._execution_engine
-        engine.queue_callback(handle.remove)
-
-        # a leaf the loss does not reach has no gradient
-        reached = [(kv, g) for kv, g in zip(prefix_kv, grads) if g is not None]
-        if reached:
-            torch.autograd.backward([kv for kv, _ in reached], [g for _, g in reached])
-
-    handle = torch.autograd.graph.register_multi_grad_hook(leaves, backward_prefix)
-
-
-@contextmanager
-def sparse_embedding_grads(model):
-    """Within it, the input embedding's backward gives a sparse gradient (the
-    looked-up rows only), added to a dense .grad in place.
-
-    Why: the dense backward of a lookup is a (V, d) tensor, zero but for the
-    rows looked up, which is then added to .grad: 113 MB for SmolLM2-135M, alive
-    at the end of each backward, where the update's peak is. .grad is made
-    dense first (zeros, if None), so that every gradient is summed into it in
-    place and AdamW sees a dense one. The sum is the same, to rounding
-    (https://pytorch.org/docs/stable/generated/torch.nn.Embedding.html, sparse).
-    Not under DDP (its buckets are dense) or FSDP2 (sharded weights); no-op for
-    a frozen embedding or without grad.
-    """
-    # (a reference, LoRA's AdaptersOff included, runs without grad)
-    distributed = isinstance(model, (DistributedDataParallel, FSDPModule))
-    if not torch.is_grad_enabled() or distributed:
-        yield
-        return
-    embedding = model.get_input_embeddings()
-    weight = getattr(embedding, "weight", None)
-    if weight is None or not weight.requires_grad or not isinstance(embedding, torch.nn.Embedding):
-        yield
-        return
-
-    if weight.grad is None:
-        weight.grad = torch.zeros_like(weight)
-    was_sparse = embedding.sparse
-    embedding.sparse = True
-    try:
-        yield
-    finally:
-        embedding.sparse = was_sparse
-
-
-def tied_head_apart(model):
-    """model's forward with a tied LM head's weight as a leaf of its own, whose
-    gradient a hook adds to the shared weight's .grad as soon as it is computed.
-
-    Why: autograd sums all of a leaf's gradients before it hands them to .grad.
-    A tied weight's head gradient (V, d) is computed first, at the top of the
-    backward, and waited in a buffer until the embedding's came at its end:
-    113 MB of SmolLM2-135M's peak. The sum is the same, to rounding. Not under
-    DDP (its hooks are on the shared weight) or FSDP2 (sharded weights). An
-    untied or frozen head: model itself.
-    """
-    head = model.get_output_embeddings()
-    weight = getattr(head, "weight", None)
-    tied = weight is not None and weight is model.get_input_embeddings().weight
-    if not tied or not weight.requires_grad or isinstance(model, FSDPModule):
-        return model
-
-    def into_grad(leaf):
-        if weight.grad is None:
-            weight.grad = leaf.grad
-        else:
-            weight.grad.add_(leaf.grad)
-        leaf.grad = None
-
-    leaf = weight.detach().requires_grad_()
-    leaf.register_post_accumulate_grad_hook(into_grad)
-    name = next(name for name, module in model.named_modules() if module is head)
-
-    def forward(**kwargs):
-        return torch.func.functional_call(model, {f"{name}.weight": leaf}, kwargs=kwargs,
-                                          tie_weights=False)
-    return forward
+    logits: Callable = completion_logits
+    logps: Callable = selective_log_softmax
+    entropies: Callable = entropy_from_logits
+    head_logps: Callable | None = None
 
 
 # -----------------------------------------------------------------------------
-# Recomputed activations (--gradient-checkpointing) and the caches a replay can repeat
+# Recomputed activations (--gradient-checkpointing)
 
 def decoder_layers(model):
     """model's decoder layers: the modules transformers can checkpoint."""
@@ -745,19 +333,19 @@ def recompute_layers(model):
     compute; the saved activations of a micro-batch fall to each layer's input).
 
     transformers' own switch (gradient_checkpointing_enable) drops the KV cache,
-    which the shared prompt prefix needs (completion_logits). Here each layer
-    keeps it: the caches completion_logits passes are replayable_cache's, whose
-    update gives the same result when the backward replays a layer.
+    which fast/update.py's shared prompt prefix needs. Here each layer keeps it:
+    the caches it passes are replayable, their update giving the same result
+    when the backward replays a layer.
     Non-reentrant checkpointing (https://pytorch.org/docs/stable/checkpoint.html).
     """
     layers = decoder_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no decoder layers that "
                          f"transformers can checkpoint")
-    # a sliding-window layer's cache appends on every update: a replay would
-    # append the prompt twice
-    cache = replayable_cache(model, PrefixLayer)
-    if not all(isinstance(layer, PrefixLayer) for layer in cache.layers):
+    # a sliding-window layer's cache appends on every update: a replay of
+    # fast/update.py's shared prefix would append the prompt twice
+    cache = DynamicCache(config=model.config)
+    if not all(type(layer) is DynamicLayer for layer in cache.layers):
         raise ValueError("--gradient-checkpointing needs full-attention layers (the "
                          "backward replays each layer's KV cache); this model has "
                          "sliding-window ones")
@@ -768,7 +356,7 @@ def recompute_layers(model):
     return len(layers)
 
 
-def _is_recomputed(layer):
+def is_recomputed(layer):
     """Whether recompute_layers checkpointed this decoder layer."""
     forward = vars(layer).get("forward")
     return isinstance(forward, partial) and forward.func is _checkpointed
@@ -782,249 +370,12 @@ def _checkpointed(forward, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def replayable_cache(model, layer_class):
-    """A DynamicCache for model whose full-attention layers are layer_class
-    (PrefixLayer or ExtendLayer); a sliding-window layer keeps transformers'
-    own class, which a replay cannot repeat (recompute_layers refuses it)."""
-    cache = DynamicCache(config=unwrap(model).config)
-    cache.layers = [layer_class() if type(layer) is DynamicLayer else layer
-                    for layer in cache.layers]
-    return cache
-
-
-class _HeldLayer:
-    """Keys and values a cache layer holds: (b, H_kv, S, d) each."""
-
-    is_sliding = False
-
-    def hold(self, keys, values):
-        self.keys = keys
-        self.values = values
-        self.dtype = keys.dtype
-        self.device = keys.device
-        self.is_initialized = True
-
-
-class PrefixLayer(_HeldLayer, DynamicLayer):
-    """The prompt prefix's layer: update stores the keys and values it is given
-    (the cache starts empty) and returns them. A replay stores them again: the
-    same tensors' recomputation, not a second append."""
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        self.hold(key_states, value_states)
-        return key_states, value_states
-
-
-class ExtendLayer(_HeldLayer, DynamicLayer):
-    """The completions' layer over a held prefix: update returns prefix + new
-    keys and values, and stores nothing (the completions' own are not needed
-    after their forward), so a replay sees the same prefix."""
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        keys = torch.cat([self.keys, key_states], dim=-2)  # (n, H_kv, S+q, d)
-        values = torch.cat([self.values, value_states], dim=-2)  # (n, H_kv, S+q, d)
-        return keys, values
-
-
-# log-probs and entropies from logits, a chunk of rows at a time
-# fp32 elements per row chunk (256 MiB): bounds the transient upcast copy
-CHUNK_ELEMENTS = 2**26
-
-# the most logits one forward of the update makes on the CPU: 2^25 fp32
-# numbers (128 MiB), auto_micro_batch
-MICRO_BATCH_LOGITS = 2**25
-
-
-def auto_micro_batch(minibatch, max_new_tokens, vocab_size, device):
-    """Completions per forward and backward for --micro-batch-size 0.
-
-    On a GPU: the whole minibatch. On the CPU: the largest divisor of the
-    minibatch whose (n, max_new_tokens, vocab_size) logits stay within
-    MICRO_BATCH_LOGITS numbers, at least 1. Why: there the update of a real
-    vocabulary's logits is bound by their memory traffic, and a whole minibatch
-    of them is both slower and far larger than a few rows at a time
-    (docs/benchmarks.md, "The micro-batch on the CPU"). A small vocabulary (the
-    default toy) keeps the whole minibatch.
-    """
-    if torch.device(device).type != "cpu":
-        return minibatch
-    fits = max(1, MICRO_BATCH_LOGITS // (max_new_tokens * vocab_size))
-    return max(n for n in range(1, min(fits, minibatch) + 1) if minibatch % n == 0)
-
-
-def _upcast(rows, temperature):
-    # bf16 logits are upcast before dividing, so the result does not depend on
-    # bf16 rounding. fp64 stays fp64 so that gradcheck can run on these functions.
-    dtype = torch.promote_types(rows.dtype, torch.float32)
-    return rows.to(dtype) / temperature  # (n, V)
-
-
-# rows per logsumexp call: its (rows, V) temporaries stay small (12 MB at V = 49,152)
-LOGSUMEXP_ROWS = 64
-
-
-def _row_logsumexp(z):
-    """logsumexp over the last dimension of z (..., V), LOGSUMEXP_ROWS rows at a
-    time: torch.logsumexp holds a z-sized temporary (z - max, exponentiated)."""
-    rows = z.reshape(-1, z.shape[-1])  # (k, V), a view of a contiguous z
-    lse = torch.empty(len(rows), dtype=z.dtype, device=z.device)  # (k,)
-    for start in range(0, len(rows), LOGSUMEXP_ROWS):
-        chunk = slice(start, start + LOGSUMEXP_ROWS)
-        lse[chunk] = torch.logsumexp(rows[chunk], dim=-1)
-    return lse.view(z.shape[:-1])  # (...)
-
-
-def _log_prob_grad_(z, lse, ids, grad, temperature):
-    """z (..., V) = logits / T, turned in place into the gradient of
-    logp = z[id] - lse with respect to the logits, times grad (...):
-
-        (onehot(id) - softmax(z)) * grad / T
-    """
-    scaled = (grad / temperature).unsqueeze(-1)  # (..., 1)
-    z.sub_(lse.unsqueeze(-1)).exp_().mul_(-scaled)  # -softmax(z) * grad / T
-    return z.scatter_add_(-1, ids.unsqueeze(-1), scaled)  # (..., V)
-
-
-class ChosenLogps(torch.autograd.Function):
-    """log softmax(logits / T)[id] over the last dimension, with its backward
-    written out:
-
-        d logp / d logits = (onehot(id) - softmax(logits / T)) / T
-
-    Why not autograd's: through division, logsumexp and gather it holds four
-    logits-sized temporaries in the backward (the softmax, its product, the
-    gather's zeros, their sum), each (n, V) fp32. Here the gradient is one
-    buffer, filled in place. On the CPU that is a fifth less time and half the
-    peak memory of this step (docs/benchmarks.md, "The log-prob's backward").
-    The same numbers to rounding: tests/test_loss.py.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, ids, temperature):  # (..., V), (...)
-        z = _upcast(logits, temperature)  # (..., V)
-        lse = _row_logsumexp(z)  # (...)
-        chosen = z.gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # (...)
-        ctx.save_for_backward(logits, ids, lse)
-        ctx.temperature = temperature
-        return chosen - lse  # (...)
-
-    @staticmethod
-    def backward(ctx, grad):  # (...)
-        logits, ids, lse = ctx.saved_tensors
-        z = _upcast(logits, ctx.temperature)  # (..., V), the one new buffer
-        grad_logits = _log_prob_grad_(z, lse, ids, grad, ctx.temperature)  # (..., V)
-        return grad_logits.to(logits.dtype), None, None
-
-
-def _chosen_logps(rows, ids, temperature):
-    return ChosenLogps.apply(rows, ids, temperature)  # (n,)
-
-
-class HeadLogps(torch.autograd.Function):
-    """The LM head and the log-prob in one op, for the update on the CPU:
-
-        logp = log softmax(h W^T / T)[id]
-        d logp / d h = g W,  d logp / d W = g^T h,  g = (onehot(id) - softmax) / T
-
-    hidden (k, d): the final hidden states of the k positions that count (no
-    padding); weight (V, d): the head's. The op owns its (k, V) logits, so
-    forward divides them in place and backward turns them into g in place: one
-    logits-sized buffer in all, where the head, then ChosenLogps, hold two or
-    three. The head's weight gradient is added to weight.grad in place (no
-    (V, d) temporary) and is not handed back to autograd; the weight must be
-    the parameter itself (not under DDP or FSDP2). Used by completion_logps;
-    the same numbers to rounding: tests/test_prefix_sharing.py.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, ids, temperature):  # (k, d), (V, d), (k,)
-        z = (hidden @ weight.t()).div_(temperature)  # (k, V)
-        lse = _row_logsumexp(z)  # (k,)
-        chosen = z.gather(1, ids.unsqueeze(1)).squeeze(1)  # (k,)
-
-        ctx.save_for_backward(hidden, weight, ids, lse)
-        ctx.z = z
-        ctx.temperature = temperature
-        return chosen - lse  # (k,)
-
-    @staticmethod
-    def backward(ctx, grad):  # (k,)
-        hidden, weight, ids, lse = ctx.saved_tensors
-        g = _log_prob_grad_(ctx.z, lse, ids, grad, ctx.temperature)  # (k, V), in z's buffer
-        del ctx.z
-
-        grad_hidden = g @ weight  # (k, d)
-        if weight.requires_grad:
-            if weight.grad is None:
-                weight.grad = g.t() @ hidden  # (V, d)
-            else:
-                weight.grad.addmm_(g.t(), hidden)
-        return grad_hidden, None, None, None
-
-
-def _entropy(rows, temperature):
-    logp = _upcast(rows, temperature).log_softmax(-1)  # (n, V)
-    p = logp.exp()  # (n, V)
-    # 0 * log 0 = 0, not NaN, at -inf logits
-    return -(p * logp.masked_fill(p == 0, 0.0)).sum(-1)  # (n,)
-
-
-def _by_row_chunks(fn, logits, *row_args, chunk_rows=None):
-    """fn over chunks of logits (B, T, V) -> (B, T).
-
-    Each chunk holds at most chunk_rows positions (default: as many as fit in
-    CHUNK_ELEMENTS fp32 numbers): whole sequences while one fits, else pieces of
-    one sequence. Slices are views (reshape would copy a non-contiguous input).
-
-    With several chunks, each is checkpointed under autograd: its fp32
-    intermediates are recomputed in backward, so no fp32 copy of more than one
-    chunk exists. A single chunk runs plainly: checkpointing it would cost time
-    and save nothing the bound does not already allow.
-    """
-    B, T, V = logits.shape
-    step = chunk_rows or max(1, CHUNK_ELEMENTS // V)
-    if B * T <= step:
-        return fn(logits, *row_args)  # (B, T)
-
-    # k whole sequences per chunk
-    if T <= step:
-        k = step // T
-        chunks = [[x[i:i + k] for x in (logits, *row_args)] for i in range(0, B, k)]
-    # pieces of one sequence
-    else:
-        pieces = [[c for row in x.unbind(0) for c in row.split(step)]
-                  for x in (logits, *row_args)]
-        chunks = list(zip(*pieces))
-
-    save_nothing = torch.is_grad_enabled() and logits.requires_grad
-    if save_nothing:
-        out = [checkpoint(fn, *c, use_reentrant=False) for c in chunks]
-    else:
-        out = [fn(*c) for c in chunks]
-    return torch.cat([o.reshape(-1) for o in out]).view(B, T)
-
-
-def selective_log_softmax(logits, ids, temperature=1.0, chunk_rows=None):
-    """log softmax(logits / temperature)[ids]: (B, T, V), (B, T) -> (B, T) in fp32.
-
-    fp64 logits give fp64. It must use the sampling temperature, or the ratio is
-    off-policy.
-    """
-    fn = partial(_chosen_logps, temperature=temperature)
-    return _by_row_chunks(fn, logits, ids, chunk_rows=chunk_rows)
-
-
-def entropy_from_logits(logits, temperature=1.0, chunk_rows=None):
-    """Entropy -sum_v p_v log p_v of p = softmax(logits / temperature).
-
-    (B, T, V) -> (B, T) in fp32.
-    """
-    fn = partial(_entropy, temperature=temperature)
-    return _by_row_chunks(fn, logits, chunk_rows=chunk_rows)
-
-
 # -----------------------------------------------------------------------------
 # Truncated sampling: the sampler's kept set, on the sampler's and the trainer's logits
+
+# fp32 elements per chunk of rows the filter runs on (256 MiB): bounds the
+# transient upcast copy
+CHUNK_ELEMENTS = 2**26
 
 # a filtered logit on the trainer's side: finite in bf16 and fp32, so that the
 # kernel's sum p * logit is 0 there, not 0 * -inf = NaN; and -1e9 / T still
@@ -1089,7 +440,7 @@ def truncate_logits(logits, ids, temperature, top_k=0, top_p=1.0, min_p=0.0):
     step = max(1, CHUNK_ELEMENTS // V)
     with torch.no_grad():
         for i in range(0, n * T, step):
-            scores = _upcast(flat[i:i + step], temperature)  # (rows, V)
+            scores = upcast(flat[i:i + step], temperature)  # (rows, V)
             keep[i:i + step] = kept_tokens(scores, top_k, top_p, min_p)
     keep = keep.view(n, T, V)
     keep.scatter_(-1, ids.unsqueeze(-1), True)  # the sampled token, whatever rounding says
@@ -1097,9 +448,10 @@ def truncate_logits(logits, ids, temperature, top_k=0, top_p=1.0, min_p=0.0):
 
 
 @torch.no_grad()
-def sequence_logps(model, prompts, completion_ids, temperature, micro,
+def sequence_logps(forward, model, prompts, completion_ids, temperature, micro,
                    dtype=torch.float32, top_k=0, top_p=1.0, min_p=0.0):
-    """Per-token log-probs (N, T) of the completions under model.
+    """Per-token log-probs (N, T) of the completions under model, through
+    forward (a Forward).
 
     model is the old policy or the reference. micro sequences go in each forward:
     as in the update, the logits alive at once are (micro, T, V). top_k, top_p,
@@ -1109,7 +461,7 @@ def sequence_logps(model, prompts, completion_ids, temperature, micro,
     for i in range(0, completion_ids.shape[0], micro):
         ids = completion_ids[i:i + micro]  # (micro, T)
         rows = slice(i, i + micro)
-        logits = completion_logits(model, prompts, rows, ids, dtype)  # (micro, T, V)
+        logits = forward.logits(model, prompts, rows, ids, dtype)  # (micro, T, V)
         logits = truncate_logits(logits, ids, temperature, top_k, top_p, min_p)
-        logps.append(selective_log_softmax(logits, ids, temperature))  # (micro, T)
+        logps.append(forward.logps(logits, ids, temperature))  # (micro, T)
     return torch.cat(logps)  # (N, T)

@@ -6,8 +6,8 @@ the per-token terms.
     loss_type "grpo"     mean over sequences of each one's token mean
                          (DeepSeekMath eq. 3)
               "bnpo"     sum over tokens / the unmasked tokens
-              "dr_grpo"  sum / (B * max_completion_length): no length bias
-                         (arXiv 2503.20783)
+              "dr_grpo"  sum / (B * max_new_tokens), the completion
+                         limit: no length bias (arXiv 2503.20783)
               "dapo"     sum / num_items, the unmasked tokens of the whole
                          batch (arXiv 2503.14476)
               "luspo"    mean over sequences of each one's token sum: each
@@ -40,8 +40,11 @@ REDUCTION = {
 }
 
 
-def check_reduction(loss_type, num_items, max_completion_length):
-    """ValueError when loss_type is unknown or its normaliser is missing."""
+def check_reduction(loss_type, num_items, max_new_tokens):
+    """ValueError when loss_type is unknown or its normaliser is missing.
+
+    reduce_loss runs it: once a micro-batch, whichever path computed the loss.
+    """
     if loss_type not in REDUCTION:
         raise ValueError(f"loss_type={loss_type!r}: choose one of {tuple(REDUCTION)}")
 
@@ -50,9 +53,9 @@ def check_reduction(loss_type, num_items, max_completion_length):
                          f"unmasked completion tokens of the whole minibatch (all ranks / W: "
                          f"see minibatch_tokens)")
 
-    if loss_type == "dr_grpo" and max_completion_length is None:
-        raise ValueError("loss_type='dr_grpo' divides by B * max_completion_length: "
-                         "pass max_completion_length")
+    if loss_type == "dr_grpo" and max_new_tokens is None:
+        raise ValueError("loss_type='dr_grpo' divides by B * max_new_tokens: "
+                         "pass max_new_tokens (--max-new-tokens)")
 
 
 def kept_mask(mask, truncated=None):
@@ -76,16 +79,17 @@ def row_weights(counts):
 
 
 def reduce_loss(per_token_loss, mask, loss_type="grpo", num_items=None,
-                max_completion_length=None, num_sequences=None, counts=None):
+                max_new_tokens=None, num_sequences=None, counts=None):
     """(B, T) per-token loss and completion mask -> a scalar, as loss_type says.
 
     For a micro-batch of a minibatch, pass the minibatch's num_sequences (grpo,
     dr_grpo, luspo) and num_items (bnpo, dapo: its unmasked tokens, all ranks / W, see
     minibatch_tokens). The micro-batches' results then add up to the minibatch's.
-    Without them the batch is its own minibatch.
-    counts (B,): the identical sequences each row stands for (unique_rows).
+    Without them the batch is its own minibatch. max_new_tokens: dr_grpo's
+    completion limit. counts (B,): the identical sequences each row stands for
+    (unique_rows).
     """
-    check_reduction(loss_type, num_items, max_completion_length)
+    check_reduction(loss_type, num_items, max_new_tokens)
     reduction = REDUCTION[loss_type]
 
     mask = mask.to(per_token_loss.dtype)  # (B, T)
@@ -101,7 +105,7 @@ def reduce_loss(per_token_loss, mask, loss_type="grpo", num_items=None,
     if reduction == "grpo":  # each sequence weighs the same, whatever its length
         return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / B
     if reduction == "dr_grpo":  # a constant normaliser: no bias toward short or long answers
-        return masked.sum() / (B * max_completion_length)
+        return masked.sum() / (B * max_new_tokens)
     if reduction == "luspo":  # TRL: (per_token_loss * mask).sum(-1).mean()
         return masked.sum() / B
     # bnpo, dapo: each token of the minibatch weighs the same

@@ -45,7 +45,6 @@ import threading
 import torch
 
 from common import all_ranks_ok, fail
-from sandbox import code_reward
 
 
 def _text(completion):
@@ -202,6 +201,14 @@ def _same_number(written, gold):
         return float(written.replace(",", "")) == float(str(gold).replace(",", ""))
     except ValueError:
         return False
+
+
+def code_reward(completions, tests, **kw):
+    """The fraction of each sample's `tests` that its last ```python block
+    passes, run in the sandbox (sandbox.code_reward; imported at the first call)."""
+    from sandbox import code_reward as run_in_sandbox
+
+    return run_in_sandbox(completions, tests, **kw)
 
 
 def environment_reward_func(name):

@@ -45,9 +45,9 @@ import torch
 import torch.distributed as dist
 
 from common import unwrap
-from lora import full_named_parameters, sync_parameters
+from lora import sync_parameters
 from model import pad_id
-from rollout import Engine, VLLMEngine
+from rollout import Engine, VLLMEngine, full_named_parameters
 
 
 

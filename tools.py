@@ -48,10 +48,12 @@ from dataclasses import dataclass
 
 import torch
 
+import data
 import environment
 from model import pad_id
+from reward import environment_reward_func
 from rollout import Rollout, build_rollout, call_seed
-from tool_format import FenceFormat, TemplateFormat
+from tool_format import FenceFormat, TemplateFormat, supports_tools
 
 # environment processes alive at once (~10-20 MB each): a larger call goes in
 # chunks
@@ -290,20 +292,65 @@ class ToolEngine:
         self.engine.close()
 
 
-def with_tools(engine, tokenizer, specs, fence, *, max_calls, output_tokens, timeout_s,
-               render):
-    """train.py: the engine in a ToolEngine when there are tools (specs: see
-    environment.load_specs; fence: --tools python's format), else the engine
-    itself (specs None)."""
-    if specs is None:
-        return engine
+@dataclass
+class Environments:
+    """What train.py's --tools and --environment load (load_environments)."""
 
+    specs: dict  # environment.load_specs's
+    fence: bool  # --tools python: ToRL's fenced code, no schemas shown
+    tools_of: object  # a row -> its tools' schemas for the prompt, or None (fence)
+    rewards: list  # a reward function per environment class that scores
+
+
+def load_environments(args, tokenizer):
+    """--tools and --environment (config.py's args) -> Environments: each
+    environment's tools, probed in a process of its own (environment.py), and
+    its reward (get_reward), of weight 1, named after its class, as in TRL.
+    ValueError where the chat template renders no tool calls."""
+    fence = args.tools == ["python"]
+    tools_of = None
     if fence:
-        call_format = FenceFormat(tokenizer, output_tokens)
+        specs = environment.load_specs(["environments.python_tool.PythonTool"], [])
     else:
-        call_format = TemplateFormat(tokenizer, output_tokens)
-    return ToolEngine(engine, tokenizer, call_format, specs, max_calls=max_calls,
-                      timeout_s=timeout_s, render=render)
+        if not supports_tools(tokenizer):
+            raise ValueError(f"the chat template of {args.model} renders no tool calls: "
+                             f"pass --chat-template assets/chatml_tools.jinja (ChatML, "
+                             f"<tool_call> JSON), or use --tools python (ToRL's fenced "
+                             f"code, no template needed)")
+        specs = environment.load_specs(args.environment, args.tools or [])
+
+        def tools_of(row):
+            return list(environment.spec_of(specs, row).schemas.values())
+
+    scoring = dict.fromkeys(s.name for s in specs.values() if s.has_reward)
+    rewards = [environment_reward_func(name) for name in scoring]
+    return Environments(specs=specs, fence=fence, tools_of=tools_of, rewards=rewards)
+
+
+def with_tools(engine, tokenizer, environments, args):
+    """train.py: the engine in a ToolEngine (environments: load_environments's;
+    args: config.py's, for --max-tool-calls, --tool-output-tokens,
+    --tool-timeout and the system prompt)."""
+    def render(row, observation):
+        """The row's prompt ids with its environment's reset text (data.py)."""
+        question = data.with_observation(row["prompt"], observation)
+        system_prompt = args.system_prompt
+        if system_prompt is None:
+            system_prompt = data.DEFAULT_SYSTEM_PROMPT
+        tools = None
+        if environments.tools_of:
+            tools = [environments.tools_of(row)]
+
+        texts, chat = data.render_prompts(tokenizer, [question], system_prompt, tools)
+        return data.encode_prompts(tokenizer, texts, chat)[0]
+
+    if environments.fence:
+        call_format = FenceFormat(tokenizer, args.tool_output_tokens)
+    else:
+        call_format = TemplateFormat(tokenizer, args.tool_output_tokens)
+    return ToolEngine(engine, tokenizer, call_format, environments.specs,
+                      max_calls=args.max_tool_calls, timeout_s=args.tool_timeout,
+                      render=render)
 
 
 def tool_metrics(rollout):

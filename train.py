@@ -71,23 +71,18 @@ from tqdm import tqdm
 import checkpoint
 import config
 import data
-import environment
 import task
 from advantage import compute_advantages, dynamic_sampling
 from batch import UpdateBatch, high_entropy_mask, policy_entropies, unique_rows
 from common import (barrier, collective_device, ddp, fail, in_background, mark, master,
-                    print0, rank, release_free_memory, require, result_everywhere, seed_all,
-                    setup, startup_line, step_line, world)
-from lora import lora_config, merged_adapters
+                    print0, rank, require, result_everywhere, seed_all, setup, startup_line,
+                    step_line, world)
 from loss import LossSettings, choose_impl, policy_loss
 from metrics import step_metrics, token_stats
-from model import (MICRO_BATCH_LOGITS, auto_micro_batch, completion_logits, completion_logps,
-                   entropy_from_logits, fusable_head, load_model, load_reference,
-                   load_tokenizer, pad_id, prompt_batch, sequence_logps, truncate_logits,
-                   truncates, wrap_ddp)
+from model import (Forward, load_model, load_reference, load_tokenizer, pad_id, prompt_batch,
+                   sequence_logps, truncate_logits, wrap_ddp)
 from reduction import kept_mask, minibatch_tokens, row_weights
 from reward import (
-    environment_reward_func,
     final_number_reward,
     get_reward_funcs,
     get_soft_overlong_punishment,
@@ -95,9 +90,6 @@ from reward import (
     score,
 )
 from rollout import make_engine, pick_engine
-from server import RemoteEngine
-from tool_format import supports_tools
-from tools import tool_metrics, with_tools
 
 # -----------------------------------------------------------------------------
 # The flags (config.py), then the rules between them, before any heavy work
@@ -147,31 +139,9 @@ loss_impl, loss_why = choose_impl(args.loss_impl, device, args.importance_sampli
 # logits, so that its log-probs are over the same truncated support (model.py)
 truncation = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
 sampling = dict(**truncation, repetition_penalty=args.repetition_penalty)
-# the loss's hyperparameters, the same for every micro-batch: each is the flag
-# of its name
-loss_settings = LossSettings(
-    loss_type=args.loss_type,
-    epsilon_low=args.epsilon_low,
-    epsilon_high=args.epsilon_high,
-    beta=args.beta,
-    kl_bias_correction=args.kl_bias_correction,
-    sapo_tau_pos=args.sapo_tau[0],
-    sapo_tau_neg=args.sapo_tau[1],
-    vespo_k_pos=args.vespo_k[0],
-    vespo_lambda_pos=args.vespo_lambda[0],
-    vespo_k_neg=args.vespo_k[1],
-    vespo_lambda_neg=args.vespo_lambda[1],
-    delta=args.delta,
-    entropy_coef=args.entropy_coef,
-    temperature=args.temperature,
-    importance_sampling_level=args.importance_sampling_level,
-    is_correction=args.is_correction,
-    is_min=args.is_min,
-    is_max=args.is_max,
-    off_policy_mask=args.off_policy_mask,
-    max_completion_length=args.max_new_tokens,
-    impl=loss_impl,
-)
+# the loss's hyperparameters, the same for every micro-batch: each field is the
+# flag of its name
+loss_settings = LossSettings.from_flags(args, loss_impl)
 
 # the initial model, which the reference is; and the policy now
 init_path = args.model
@@ -190,33 +160,19 @@ try:
         with open(args.chat_template) as f:
             tokenizer.chat_template = f.read()
 
-    # tools (tools.py): each environment's tools, probed in a process of its own
-    # (environment.py). --tools python is ToRL's fenced code: no schemas shown.
-    fence = args.tools == ["python"]
-    specs = None
-    tools_of = None
-    if fence:
-        specs = environment.load_specs(["environments.python_tool.PythonTool"], [])
-    elif config.uses_tools(args):
-        if not supports_tools(tokenizer):
-            raise ValueError(f"the chat template of {args.model} renders no tool calls: "
-                             f"pass --chat-template assets/chatml_tools.jinja (ChatML, "
-                             f"<tool_call> JSON), or use --tools python (ToRL's fenced "
-                             f"code, no template needed)")
-        specs = environment.load_specs(args.environment, args.tools or [])
+    # --tools, --environment: each environment's tools, probed in a process of
+    # its own, and its reward, of weight 1 (tools.py)
+    environments = None
+    tools_of = None  # a row -> its tools' schemas, for the prompt
+    if config.uses_tools(args):
+        import tools
 
-        def tools_of(row):
-            return list(environment.spec_of(specs, row).schemas.values())
-
-    # an environment that scores (get_reward) is a reward of weight 1, named
-    # after its class, as in TRL
-    if specs is not None:
-        scoring = dict.fromkeys(s.name for s in specs.values() if s.has_reward)
-        environment_rewards = [environment_reward_func(name) for name in scoring]
-        reward_funcs += environment_rewards
-        args.reward_weights = args.reward_weights + [1.0] * len(environment_rewards)
-        if eval_func is None and environment_rewards:
-            eval_func = environment_rewards[0]
+        environments = tools.load_environments(args, tokenizer)
+        tools_of = environments.tools_of
+        reward_funcs += environments.rewards
+        args.reward_weights = args.reward_weights + [1.0] * len(environments.rewards)
+        if eval_func is None and environments.rewards:
+            eval_func = environments.rewards[0]
     if eval_func is None:
         eval_func = final_number_reward
     if not reward_funcs:
@@ -240,8 +196,12 @@ try:
     seed_all(args.seed + rank)
     # LoRA trains adapters on the initial model (a resume loads its adapter:
     # checkpoint.restore)
-    lora = lora_config(args.lora_rank, args.lora_alpha, args.lora_dropout,
-                       args.lora_targets)
+    lora = None
+    if args.lora_rank:
+        from lora import lora_config
+
+        lora = lora_config(args.lora_rank, args.lora_alpha, args.lora_dropout,
+                           args.lora_targets)
     policy_path = init_path if args.lora_rank else model_path
     raw_model = load_model(policy_path, dtype, device, args.fsdp, lora,
                            recompute=args.gradient_checkpointing)
@@ -253,28 +213,17 @@ if args.beta > 0:  # simplification 3
 model = raw_model  # what the forwards call: DDP's wrapper, or FSDP2's sharded model
 if ddp and not args.fsdp:
     model = wrap_ddp(raw_model, device)
-# completions per forward/backward; 0: the minibatch, a few rows of a real
-# vocabulary's logits on the CPU (model.auto_micro_batch)
-vocab_size = raw_model.get_output_embeddings().weight.shape[0]
-micro = args.micro_batch_size or auto_micro_batch(minibatch, args.max_new_tokens,
-                                                  vocab_size, device)
-# the update's log-probs with the LM head fused in, no (n, T, V) logits
-# (model.completion_logps): the CPU in fp32, where the loss needs nothing else
-fused_head = (fusable_head(model) and dtype == torch.float32
-              and loss_impl == "torch" and not args.entropy_coef
-              and not args.adaptive_entropy and not truncates(**truncation))
+# completions per forward/backward (--fast: a few rows of a real vocabulary's
+# logits on the CPU)
+micro = args.micro_batch_size or minibatch
+# the update's forward: logits, log-probs, entropies (model.py; --fast swaps in
+# faster equals)
+forward = Forward()
 # LoRA: the adapters only
 trained = [p for p in raw_model.parameters() if p.requires_grad]
 # fused: one kernel for all tensors, not a loop of small ops (FSDP2's DTensors: the loop)
 optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
                               fused=not args.fsdp)
-# glibc keeps a CPU backward's freed blocks resident (common.release_free_memory).
-# Handing them back costs tens of ms a step: worth it from hundreds of MB, not on a toy
-release_memory = device.type == "cpu" and sum(p.numel() for p in raw_model.parameters()) >= 25e6
-# after each micro-batch too where activations are recomputed: there the next
-# one's are few pages to fault back in. Without recompute they are hundreds of
-# MB a micro-batch, faulted back each time (docs/benchmarks.md, "The seventh pass")
-release_each_backward = release_memory and args.gradient_checkpointing
 mark("models")
 
 
@@ -289,7 +238,9 @@ row_tokens = max(map(len, train_ids + eval_ids)) + args.max_new_tokens
 
 
 engine_kind, engine_why = pick_engine(args.engine, raw_model, args.vllm_tp)
-if args.vllm_mode == "server":
+if args.vllm_mode == "server":  # a rollout server on other machines (server.py)
+    from server import RemoteEngine
+
     engine = RemoteEngine(args.vllm_url, tokenizer, seed=args.seed + rank)
     engine_why = "--vllm-mode server"
 else:
@@ -315,24 +266,20 @@ else:
              f"requirements-cpu.txt, or use --engine hf")
 
 
-def render_observation(row, observation):
-    """The row's prompt ids with its environment's reset text (data.py)."""
-    question = data.with_observation(row["prompt"], observation)
-    system_prompt = args.system_prompt
-    if system_prompt is None:
-        system_prompt = data.DEFAULT_SYSTEM_PROMPT
-    tools = [tools_of(row)] if tools_of else None
+# --fast (the default, auto): the speed machinery of fast/, installed once
+fast_note = "off: the plain path"
+if args.fast != "off":
+    import fast
 
-    texts, chat = data.render_prompts(tokenizer, [question], system_prompt, tools)
-    return data.encode_prompts(tokenizer, texts, chat)[0]
-
-
-# tools: the multi-turn loop (tools.py)
-engine = with_tools(engine, tokenizer, specs, fence, max_calls=args.max_tool_calls,
-                    output_tokens=args.tool_output_tokens, timeout_s=args.tool_timeout,
-                    render=render_observation)
-# the rows go to generate for the environments' resets
-tool_rows = specs is not None
+    engine, forward, micro, fast_note = fast.install(
+        args.fast, args=args, model=model, reference=ref_model, engine=engine,
+        optimizer=optimizer, device=device, dtype=dtype, loss_impl=loss_impl,
+        minibatch=minibatch)
+# --tools: the multi-turn loop around the engine (tools.py); the rows go to
+# generate for the environments' resets
+tool_rows = environments is not None
+if tool_rows:
+    engine = tools.with_tools(engine, tokenizer, environments, args)
 
 start_step = 0
 opt_step = 0
@@ -361,13 +308,9 @@ n_params = sum(p.numel() for p in raw_model.parameters()) / 1e6
 n_trained = sum(p.numel() for p in trained) / 1e6
 print0(f"engine {type(engine).__name__} ({engine_why}), {world} rank(s) x "
        f"{torch.get_num_threads()} thread(s), device {device}, "
-       f"loss {loss_impl} ({loss_why}{', the LM head fused' if fused_head else ''}), "
-       f"{n_params:.2f}M params "
+       f"loss {loss_impl} ({loss_why}), {n_params:.2f}M params "
        f"({n_trained:.3g}M trained), {len(train_rows)} train prompts")
-if micro < minibatch and not args.micro_batch_size:
-    print0(f"micro-batch {micro} of the minibatch's {minibatch} completions (auto: on the "
-           f"CPU, logits of at most {MICRO_BATCH_LOGITS:,} numbers a forward; "
-           f"--micro-batch-size sets it)")
+print0(f"fast {fast_note}")
 # vLLM on CPU: the KV cache sized to the work (rollout.py, simplification 7)
 inner = getattr(engine, "engine", engine)
 kv_bytes = getattr(inner, "kv_cache_bytes", None)
@@ -521,12 +464,12 @@ def prepare_update(rollout, prompts, advantages):
     if args.async_ and not is_corrected:  # the behaviour policy's (README: --async)
         old_logps = sampling_logps
     elif args.num_iterations > 1 or minibatch < N or is_corrected:  # off-policy
-        old_logps = sequence_logps(raw_model, prompts, completion_ids, **by_micro,
+        old_logps = sequence_logps(forward, raw_model, prompts, completion_ids, **by_micro,
                                    **truncation)
 
     ref_logps = None  # (N, T)
     if ref_model is not None:
-        ref_logps = sequence_logps(ref_model, prompts, completion_ids, **by_micro,
+        ref_logps = sequence_logps(forward, ref_model, prompts, completion_ids, **by_micro,
                                    **truncation)
 
     # the step's masks: the truncated completions, the high-entropy tokens of all ranks
@@ -536,8 +479,8 @@ def prepare_update(rollout, prompts, advantages):
     high_entropy = None  # (N, T)
     if args.top_entropy_quantile < 1:
         # (N, T) from the policy before this update
-        entropies = policy_entropies(raw_model, prompts, completion_ids, **by_micro,
-                                     **truncation)
+        entropies = policy_entropies(forward, raw_model, prompts, completion_ids,
+                                     **by_micro, **truncation)
         kept = kept_mask(completion_mask, truncated)  # (N, T)
         high_entropy = high_entropy_mask(entropies, kept, args.top_entropy_quantile)
 
@@ -583,24 +526,31 @@ def backward_micro(batch, prompts, rows, minibatch_tokens, last, settings):
 
     micro_batch = batch.rows(rows)
     ids = micro_batch.completion_ids  # (n, T)
-    # the current log-probs: fused with the LM head (fused_head), or from the logits
+    mask = micro_batch.completion_mask  # (n, T)
+    # the current log-probs from the logits (the kernel computes its own), or
+    # the LM head fused in where the loss needs nothing else (--fast)
     logits = None  # (n, T, V)
     logps = None  # (n, T)
-    if fused_head:
-        logps = completion_logps(model, prompts, rows, ids, micro_batch.completion_mask,
-                                 args.temperature)
+    entropies = None  # (n, T)
+    if forward.head_logps:
+        logps = forward.head_logps(model, prompts, rows, ids, mask, args.temperature)
     else:
-        logits = completion_logits(model, prompts, rows, ids, dtype)
+        logits = forward.logits(model, prompts, rows, ids, dtype)
         # the sampler's support: FILTERED outside it when a filter is on (model.py)
         logits = truncate_logits(logits, ids, args.temperature, **truncation)
+        if settings.entropy_coef:
+            entropies = forward.entropies(logits, args.temperature)
+        if loss_impl == "torch":
+            logps = forward.logps(logits, ids, args.temperature)
     loss, metrics = policy_loss(logits, micro_batch, settings, minibatch_size=minibatch,
-                                minibatch_tokens=minibatch_tokens, logps=logps)
+                                minibatch_tokens=minibatch_tokens, logps=logps,
+                                entropies=entropies)
 
     # --adaptive-entropy measures at every step; the loss does only while the bonus is on
     measured = None
     if args.adaptive_entropy:
         with torch.no_grad():
-            entropies = entropy_from_logits(logits, args.temperature)  # (n, T)
+            entropies = forward.entropies(logits, args.temperature)  # (n, T)
         counted = micro_batch.completion_mask * row_weights(micro_batch.counts)  # (n, T)
         metrics["entropy"] = token_stats(counted, {"entropy": entropies})["entropy"]
         # TRL's controller: over the tokens the policy loss trains on
@@ -613,8 +563,6 @@ def backward_micro(batch, prompts, rows, minibatch_tokens, last, settings):
     # once their gradient is computed, not after the whole backward
     del logits
     loss.backward()
-    if release_each_backward:
-        release_free_memory()
     return metrics, measured
 
 
@@ -637,8 +585,6 @@ def optimizer_step(step):
 
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    if release_memory:
-        release_free_memory()
     return grad_norm
 
 
@@ -749,15 +695,12 @@ for step in bar:
             # the micro-batches of the minibatch's rows (its distinct ones, if any)
             micro_rows = trained[mb:mb + minibatch].split(micro)
             measured = []  # --adaptive-entropy: (sum of H, tokens) per micro-batch
-            # LoRA on the CPU: each adapted layer one matmul of its weight merged
-            # with the adapters as this optimizer step finds them (lora.py)
-            with merged_adapters(raw_model):
-                for i, micro_idx in enumerate(micro_rows):
-                    last = i == len(micro_rows) - 1
-                    metrics, entropy_sums = backward_micro(batch, prompts, micro_idx, mb_tokens,
-                                                           last, settings)
-                    micro_metrics.append(metrics)
-                    measured.append(entropy_sums)
+            for i, micro_idx in enumerate(micro_rows):
+                last = i == len(micro_rows) - 1
+                metrics, entropy_sums = backward_micro(batch, prompts, micro_idx, mb_tokens,
+                                                       last, settings)
+                micro_metrics.append(metrics)
+                measured.append(entropy_sums)
             grad_norms.append(optimizer_step(step))
             opt_step += 1
             # Skywork-OR1's controller: the next optimizer step's coefficient
@@ -779,8 +722,6 @@ for step in bar:
         times["wait"] = time.time() - t0  # how long the trainer waited for the next batch
     synced = engine.sync_weights(model)
     times["sync"] = synced["seconds"]
-    if release_memory and synced["bytes"]:
-        release_free_memory()  # vLLM's reload passes each layer through a copy
 
     # 5) log one JSON record per step (rank 0); evaluate and checkpoint on schedule
     lengths = batch.completion_mask.sum(1)  # (N,)
@@ -801,7 +742,8 @@ for step in bar:
     record["len_max"] = lengths.max().item()
     record["truncated"] = 1 - rollout.is_finished.float().mean().item()
     # --tools: tool_calls_mean, tool_error_rate, tool_seconds
-    record.update(tool_metrics(rollout))
+    if tool_rows:
+        record.update(tools.tool_metrics(rollout))
     # server mode: which weights sampled it, which trained on it
     if sampler_version is not None:
         record["sampler_version"] = sampler_version

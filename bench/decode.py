@@ -1,8 +1,9 @@
 """`python -m bench decode`: the HF engine's decode on SmolLM2-135M-Instruct, on CPU.
 
 Two figures, each against a baseline measured in the same run, on 1 thread:
-1. HFEngine.sample with the LM head in tiles (rollout.tiled_head) against the
-   plain head. The rollout of the side-by-side recipe (bench trl --real):
+1. FastHFEngine.sample (fast/decode.py, the HF engine as fast.install runs
+   it on the CPU) with the LM head in tiles (fast.decode.tiled_head) against
+   the plain head. The rollout of the side-by-side recipe (bench trl --real):
    4 word problems with the R1 system prompt, G 4, 64 new tokens, T 0.7. The
    two alternate --repeats times (default 5), and must give the same
    completions and log-probs.
@@ -34,15 +35,15 @@ BENCH_REAL_ROWS = int(flag(TRAIN_FLAGS, "--prompts-per-step")) * int(flag(TRAIN_
 
 
 def plain_head(model, engine_dtype):
-    """rollout.tiled_head's stand-in that leaves the head as it is."""
+    """fast.decode.tiled_head's stand-in that leaves the head as it is."""
     return contextlib.nullcontext()
 
 
 def sample_both_ways(engine, prompts, repeats):
     """-> ({"plain": [s], "tiled": [s]}, whether every sample matched the first)."""
-    import rollout
+    import fast.decode
 
-    tiled_head = rollout.tiled_head
+    tiled_head = fast.decode.tiled_head
     heads = dict(plain=plain_head, tiled=tiled_head)
     seconds = dict(plain=[], tiled=[])
     first = None
@@ -51,7 +52,7 @@ def sample_both_ways(engine, prompts, repeats):
     try:
         for _ in range(repeats):
             for name, head in heads.items():
-                rollout.tiled_head = head
+                fast.decode.tiled_head = head
                 t0 = time.perf_counter()
                 # (completions, log-probs, finished), the same seed each time
                 result = engine.sample(prompts, G, NEW_TOKENS, rng_seed=1,
@@ -61,7 +62,7 @@ def sample_both_ways(engine, prompts, repeats):
                 first = first or result
                 same = same and result[:2] == first[:2]
     finally:
-        rollout.tiled_head = tiled_head
+        fast.decode.tiled_head = tiled_head
 
     return seconds, same
 
@@ -69,7 +70,7 @@ def sample_both_ways(engine, prompts, repeats):
 def product_rates(model, rows, repeats):
     """GFLOP/s of a decode step's products at `rows` rows, and the FLOPs of
     its layers and head -> dict."""
-    from rollout import tiled_head
+    from fast.decode import tiled_head
 
     head = model.get_output_embeddings()
     layers = [m.weight for m in model.modules()
@@ -123,13 +124,16 @@ def products_bound(rates, floor):
 def bench_decode(args):
     real_model = real_model_or_exit("bench decode")
     from data import render_prompts
+    from fast.attention import register_gqa_attention
+    from fast.decode import FastHFEngine
     from model import load_model, load_tokenizer
-    from rollout import HFEngine
 
     torch.set_num_threads(args.threads)
     repeats = args.repeats
     path = real_model.smollm2_dir()
     model = load_model(path, torch.float32, torch.device("cpu")).eval()
+    # the CPU's grouped-KV attention, as fast.install sets it
+    model.set_attn_implementation(register_gqa_attention())
     tokenizer, _ = load_tokenizer(path)
 
     rows = real_model.make_word_problems(PROMPTS, seed=0, **PROBLEMS)
@@ -140,13 +144,13 @@ def bench_decode(args):
           f"T {TEMPERATURE}, {args.threads} thread(s), {repeats} repeats", flush=True)
 
     # 1) the whole rollout, plain and tiled head in turn
-    engine = HFEngine(model, tokenizer, seed=0)
+    engine = FastHFEngine(model, tokenizer, seed=0)
     # the first call pays one-time costs
     engine.sample(prompts, G, 2, rng_seed=0, temperature=TEMPERATURE)
     seconds, same = sample_both_ways(engine, prompts, repeats)
     plain = statistics.median(seconds["plain"])
     tiled = statistics.median(seconds["tiled"])
-    print("\n| HFEngine.sample | median s | each run, s |\n|---|---|---|")
+    print("\n| FastHFEngine.sample | median s | each run, s |\n|---|---|---|")
     for name in ("plain", "tiled"):
         runs = " ".join(f"{s:.2f}" for s in seconds[name])
         print(f"| {name} head | {statistics.median(seconds[name]):.2f} | {runs} |")

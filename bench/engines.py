@@ -1,4 +1,5 @@
-"""`python -m bench rollout`: vLLM against the HF engine (rollout.py's two engines).
+"""`python -m bench rollout`: vLLM against the HF engine (rollout.py's two engines;
+the HF one with the decode loop fast.install gives it, fast.decode.FastHFEngine).
 
 It measures tokens/s and the weight-sync cost.
 """
@@ -127,7 +128,7 @@ def bench_rollout(args, runs=None, num_prompts=None, vocab_size=None, vllm_memor
     process-wide state (rollout.py simplification 6), so earlier ones stay open.
     """
     import task
-    from rollout import HFEngine
+    from fast.decode import FastHFEngine
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     cuda = torch.cuda.is_available()
@@ -197,7 +198,7 @@ def bench_rollout(args, runs=None, num_prompts=None, vocab_size=None, vllm_memor
             # the engine has read it
             shutil.rmtree(path)
 
-            hf = HFEngine(model, tokenizer, seed=0)
+            hf = FastHFEngine(model, tokenizer, seed=0)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
             for length in lengths:
                 # the update's batch: any ids cost the same as sampled ones (each

@@ -61,7 +61,7 @@ def loss_methods(cuda):
 
     Every loss is "bnpo".
     """
-    from kernels import FusedLossOptions, fused_grpo_token_loss
+    from kernels import fused_grpo_token_loss
     from loss import LossSettings, grpo_loss
     from model import selective_log_softmax
     from reduction import reduce_loss
@@ -91,11 +91,9 @@ def loss_methods(cuda):
 
     def our_loss(logits, ids, advantages, mask, old_logps, ref_logps, beta,
                  inplace=False):
-        options = FusedLossOptions(temperature=TEMPERATURE, epsilon_low=EPS_LOW,
-                                   epsilon_high=EPS_HIGH, beta=beta,
-                                   inplace_backward=inplace)
         per_token, _, _ = fused_grpo_token_loss(logits, ids, advantages, mask, old_logps,
-                                                ref_logps, options=options)
+                                                ref_logps, settings=settings[beta],
+                                                inplace_backward=inplace)
         return reduce_loss(per_token, mask, "bnpo")
 
     # takes the (B, T + 1, V) logits; inplace=True, its default

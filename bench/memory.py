@@ -23,7 +23,7 @@ QWEN_CONFIGS = {
 
 def bench_memory(args):
     """Peak RSS of one update step of a Qwen2.5-like model at bf16 compute, as
-    train.py runs it.
+    train.py runs it (--fast auto: fast/update.py's forward).
 
     The model is tests/real_shapes.py's: V = 151,936, tied, hidden 64. The step
     computes old and reference log-probs, then forward, backward and AdamW over
@@ -66,8 +66,9 @@ def memory_step(args):
     from transformers import AutoModelForCausalLM
 
     from batch import UpdateBatch
+    from fast import update
     from loss import LossSettings, policy_loss
-    from model import completion_logits, prompt_batch, sequence_logps
+    from model import Forward, prompt_batch, sequence_logps
     from real_shapes import qwen_like
     from reduction import minibatch_tokens
 
@@ -96,8 +97,12 @@ def memory_step(args):
         f.write("5")
     before = rss("VmRSS")
 
-    old = sequence_logps(model, prompts, completion_ids, 1.0, micro, bf16)  # (N, T)
-    ref = sequence_logps(ref_model, prompts, completion_ids, 1.0, micro, bf16)  # (N, T)
+    # fast.install's forward where the loss needs the logits (bf16: no fused head)
+    forward = Forward(logits=update.completion_logits, logps=update.selective_log_softmax,
+                      entropies=update.entropy_from_logits)
+    old = sequence_logps(forward, model, prompts, completion_ids, 1.0, micro, bf16)  # (N, T)
+    ref = sequence_logps(forward, ref_model, prompts, completion_ids, 1.0, micro,
+                         bf16)  # (N, T)
     batch = UpdateBatch(completion_ids=completion_ids, completion_mask=mask,
                         advantages=advantages, sampling_logps=None, old_logps=old,
                         ref_logps=ref)
@@ -107,11 +112,13 @@ def memory_step(args):
     for i in range(0, n, micro):
         r = slice(i, i + micro)
         # (micro, T, V)
-        logits = completion_logits(model, prompts, r, completion_ids[r], bf16)
+        logits = forward.logits(model, prompts, r, completion_ids[r], bf16)
+        # the torch path's log-probs, as train.py's backward_micro takes them
+        logps = forward.logps(logits, completion_ids[r], settings.temperature)  # (micro, T)
         loss, _ = policy_loss(logits, batch.rows(r), settings, minibatch_size=n,
-                              minibatch_tokens=tokens)
+                              minibatch_tokens=tokens, logps=logps)
         loss.backward()
-        del logits, loss
+        del logits, logps, loss
     optimizer.step()
 
     print(json.dumps(dict(before=before, peak=rss("VmHWM"))))

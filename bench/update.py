@@ -14,12 +14,13 @@ LENGTHS = ((4, 4), (16, 4), (4, 16))
 def bench_update(args):
     """The update's forward + backward, prefix-shared against whole sequences.
 
-    The forward is model.completion_logits, the loss a logsumexp. The batch is the
+    The forward is fast.update.completion_logits, the loss a logsumexp. The batch is the
     default task's: 32 prompts x G = 8, 4-token prompts and completions, the tiny
     model. The prefix-shared forward runs against the plain forward over whole
     (prompt + completion) sequences, interleaved, median of --repeats each.
     """
-    from model import completion_logits, prompt_batch, sequence_batch
+    from fast.update import completion_logits
+    from model import prompt_batch, sequence_batch
     from task import build_tiny_model, build_tokenizer
 
     tokenizer = build_tokenizer()

@@ -10,7 +10,7 @@ Triton could not run train.py at all, not even its PyTorch path.
 
 Run the tests: python -m pytest -q tests/test_kernel.py tests/test_imports.py
 """
-__all__ = ["FusedLossOptions", "fused_grpo_token_loss"]
+__all__ = ["fused_grpo_token_loss"]
 
 
 def __getattr__(name):

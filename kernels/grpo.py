@@ -17,15 +17,16 @@ and T = the temperature. One pass over V in blocks, in fp32:
     logp  = d_id - log s                  (= log_softmax(x / T)[id])
     ratio = exp(logp - old_logp)          (exactly 1 without old_logps)
     pg    = w * objective                 (loss.py's pg_t; w = token_weight or 1)
-            "clip"   -min(r1 * A_b, clamp(ratio, 1 - eps_low, 1 + eps_high) * A_b),
+            "clip"   (every loss type but cispo and sapo)
+                     -min(r1 * A_b, clamp(ratio, 1 - eps_low, 1 + eps_high) * A_b),
                      r1 = min(ratio, delta) with delta (INTELLECT-2), else ratio
             "cispo"  -sg(min(ratio, eps_high)) * A_b * logp
             "sapo"   -sigmoid(tau (ratio - 1)) * 4 / tau * A_b,
-                     tau = tau_pos if A_b > 0 else tau_neg
+                     tau = tau_pos if A_b > 0 else tau_neg  (sapo_tau)
     kl    = exp(ref_logp - logp) - (ref_logp - logp) - 1
             (k3, if beta; kl_bias_correction: * ratio)
     H     = log s - mu,  mu = sum_v p_v d_v,  p = softmax(x / T)
-            (when entropy_coef != 0)
+            (when the kernel's entropy_coef != 0)
     loss  = pg + beta * kl - entropy_coef * H
             (masked tokens: 0, without a pass over V)
 
@@ -53,6 +54,9 @@ the clipped side wins only outside the bounds, so the share is 1, 0, or
 and log s. The forward saves dloss/dlogp per token, so the backward reads
 only the logits and a few numbers per row.
 
+The numbers (eps, beta, T, tau, delta) are loss.py's: the kernel reads them
+from the run's loss.LossSettings.
+
 Tests: python -m pytest -q tests/test_kernel.py (CPU: TRITON_INTERPRET=1);
 python -m bench kernel
 
@@ -60,40 +64,23 @@ Simplifications:
 1. Only the token-level ratio: GSPO, luspo and vespo stay in loss.py. Reductions, weights,
    masks and metrics stay in PyTorch. loss.policy_loss (impl="triton"), the
    one caller in training, builds token_weight, reduces the per-token loss and
-   reports the stats under grpo_loss's names. It passes entropy_coef=0: its
-   bonus is the mean token entropy instead.
+   reports the stats under grpo_loss's names. It leaves the kernel's
+   entropy_coef at 0: its bonus is the mean token entropy instead.
 2. BLOCK_V and num_warps are fixed, not autotuned: autotuning would rerun the
    in-place backward.
 3. ids must lie in [0, V) at unmasked positions. They are not checked: that
    would sync the GPU.
 """
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
 
 BLOCK_V = 4096  # logits per loop step: 8 KB of bf16 per program in flight
 NUM_WARPS = 8
-OBJECTIVES = {"clip": 0, "cispo": 1, "sapo": 2}  # grpo, bnpo, dr_grpo, dapo and luspo clip
-
-
-@dataclasses.dataclass(frozen=True)
-class FusedLossOptions:
-    """fused_grpo_token_loss's numbers and switches (loss.py's pg_t and kl_t)."""
-
-    temperature: float = 1.0
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.2  # cispo: the weight's cap itself
-    beta: float = 0.0  # 0: no KL term computed
-    kl_bias_correction: bool = False  # kl * ratio
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
-    delta: float | None = None  # "clip": INTELLECT-2's cap on the ratio (None: off)
-    objective: str = "clip"  # "clip" (grpo, bnpo, dr_grpo, dapo), "cispo" or "sapo"
-    entropy_coef: float = 0.0
-    # write dlogits into the logits' storage (see fused_grpo_token_loss)
-    inplace_backward: bool = False
+# the kernel's OBJECTIVE by loss_type: cispo's and sapo's own, and 0, the
+# clipped surrogate, for every other one (grpo, bnpo, dr_grpo, dapo; luspo and
+# vespo never come here: loss.check_settings)
+OBJECTIVES = {"cispo": 1, "sapo": 2}
 
 
 @triton.jit
@@ -139,7 +126,7 @@ def _grpo_forward_kernel(
     x_id = tl.load(x_ptr + tl.load(ids_ptr + row)).to(tl.float32)
     logp = (x_id - m) * inv_temperature - log_s  # log_softmax(x / T)[id]
 
-    # the policy objective, in the order of loss.surrogate
+    # the policy objective, in the order of loss.SURROGATES
     advantage = tl.load(advantages_ptr + b)
     if HAS_OLD:
         ratio = tl.exp(logp - tl.load(old_logps_ptr + row))
@@ -266,8 +253,9 @@ def _as_rows(x, N, name):
 class _FusedGRPOTokenLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, ids, advantages, mask, old_logps, ref_logps, token_weight,
-                o):
-        """o: the FusedLossOptions."""
+                settings, entropy_coef, inplace_backward):
+        """settings: the loss.LossSettings; the rest: fused_grpo_token_loss's."""
+        s = settings
         B, T, V = logits.shape
         N = B * T
         valid = (mask != 0).reshape(N).contiguous()  # (N,) bool
@@ -277,8 +265,8 @@ class _FusedGRPOTokenLoss(torch.autograd.Function):
         f32 = dict(device=logits.device, dtype=torch.float32)
         loss = torch.zeros(N, **f32)  # (N,)
         logps = torch.zeros(N, **f32)  # (N,)
-        kl = torch.zeros(N, **f32) if o.beta != 0 else None
-        entropy = torch.zeros(N, **f32) if o.entropy_coef != 0 else None
+        kl = torch.zeros(N, **f32) if s.beta != 0 else None
+        entropy = torch.zeros(N, **f32) if entropy_coef != 0 else None
         clipped_low = torch.zeros(N, device=logits.device, dtype=torch.bool)  # (N,)
         clipped_high = torch.zeros(N, device=logits.device, dtype=torch.bool)  # (N,)
         # what the backward reads
@@ -288,27 +276,30 @@ class _FusedGRPOTokenLoss(torch.autograd.Function):
         ref = _as_rows(ref_logps, N, "ref_logps")
         weight = _as_rows(token_weight, N, "token_weight")
         # cispo caps the ratio at eps_high itself
-        if o.objective == "cispo":
-            ratio_high = float(o.epsilon_high)
+        if s.loss_type == "cispo":
+            ratio_high = float(s.epsilon_high)
         else:
-            ratio_high = 1.0 + float(o.epsilon_high)
+            ratio_high = 1.0 + float(s.epsilon_high)
+        tau_pos, tau_neg = s.sapo_tau
 
         _grpo_forward_kernel[(N,)](
             logits, logits.stride(0), logits.stride(1), ids, valid,
             advantages.float().contiguous(), old, ref, weight,
             loss, logps, kl, entropy, clipped_low, clipped_high,
             row_max, log_sum, mean_d, dloss_dlogp,
-            T, V, 1.0 / float(o.temperature), 1.0 - float(o.epsilon_low), ratio_high,
-            float(o.beta), float(o.entropy_coef), float(o.sapo_tau_pos),
-            float(o.sapo_tau_neg), float(o.delta or 0.0),
-            OBJECTIVE=OBJECTIVES[o.objective], HAS_OLD=old is not None,
-            HAS_WEIGHT=weight is not None, HAS_KL=o.beta != 0,
-            KL_IS=bool(o.kl_bias_correction), HAS_ENTROPY=entropy is not None,
-            HAS_DELTA=o.delta is not None, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
+            T, V, 1.0 / float(s.temperature), 1.0 - float(s.epsilon_low), ratio_high,
+            float(s.beta), float(entropy_coef), float(tau_pos), float(tau_neg),
+            float(s.delta or 0.0),
+            OBJECTIVE=OBJECTIVES.get(s.loss_type, 0), HAS_OLD=old is not None,
+            HAS_WEIGHT=weight is not None, HAS_KL=s.beta != 0,
+            KL_IS=bool(s.kl_bias_correction), HAS_ENTROPY=entropy is not None,
+            HAS_DELTA=s.delta is not None, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
         )
 
         ctx.save_for_backward(logits, ids, valid, row_max, log_sum, mean_d, dloss_dlogp)
-        ctx.o = o
+        ctx.temperature = s.temperature
+        ctx.entropy_coef = entropy_coef
+        ctx.inplace_backward = inplace_backward
         buffers = (loss, logps, kl, entropy, clipped_low, clipped_high)
         outputs = [x.view(B, T) if x is not None else None for x in buffers]
         ctx.mark_non_differentiable(*[x for x in outputs[1:] if x is not None])
@@ -318,7 +309,7 @@ class _FusedGRPOTokenLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, *unused_grads):
         logits, ids, valid, row_max, log_sum, mean_d, dloss_dlogp = ctx.saved_tensors
         B, T, V = logits.shape
-        if ctx.o.inplace_backward:
+        if ctx.inplace_backward:
             # the gradient overwrites the logits (they are dead once this backward
             # has read them)
             grad = logits.detach()
@@ -329,10 +320,10 @@ class _FusedGRPOTokenLoss(torch.autograd.Function):
             grad, grad.stride(0), grad.stride(1),
             ids, valid, grad_loss.reshape(B * T).float().contiguous(),
             row_max, log_sum, mean_d, dloss_dlogp,
-            T, V, 1.0 / float(ctx.o.temperature), float(ctx.o.entropy_coef),
-            HAS_ENTROPY=ctx.o.entropy_coef != 0, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
+            T, V, 1.0 / float(ctx.temperature), float(ctx.entropy_coef),
+            HAS_ENTROPY=ctx.entropy_coef != 0, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
         )
-        return (grad,) + (None,) * 7
+        return (grad,) + (None,) * 9
 
 
 # Dynamo is kept out of the op (compiled callers graph-break here): it is one
@@ -340,16 +331,22 @@ class _FusedGRPOTokenLoss(torch.autograd.Function):
 # path the CPU tests cannot cover.
 @torch.compiler.disable
 def fused_grpo_token_loss(logits, ids, advantages, mask, old_logps=None, ref_logps=None,
-                          token_weight=None, options=FusedLossOptions()):
+                          token_weight=None, *, settings, entropy_coef=0.0,
+                          inplace_backward=False):
     """The GRPO per-token loss straight from logits, before loss.reduce_loss.
 
-    It is what loss.grpo_loss computes before reducing, for options' objective
-    ("clip" is loss types grpo, bnpo, dr_grpo and dapo, with options.delta
-    too; or "cispo", "sapo").
+    It is what loss.grpo_loss computes before reducing, for settings'
+    loss_type: the clipped surrogate for grpo, bnpo, dr_grpo and dapo (with
+    settings.delta too), or cispo's, or sapo's.
 
     logits (B, T, V) bf16/fp16/fp32 with stride(-1) == 1 (views like
     logits[:, :-1] need no copy); ids, mask, old_logps, ref_logps,
-    token_weight (B, T); advantages (B,).
+    token_weight (B, T); advantages (B,). settings: a loss.LossSettings, of
+    which the kernel reads loss_type, temperature, epsilon_low, epsilon_high,
+    beta, kl_bias_correction, sapo_tau and delta (check_settings has refused
+    what it cannot compute). entropy_coef: the kernel's own per-token term,
+    - entropy_coef * H_t, reduced as the loss type says; not settings'
+    entropy_coef, whose bonus loss.policy_loss adds as a token mean.
 
     Returns
       per_token_loss  (B, T) fp32, differentiable w.r.t. logits, 0 at masked
@@ -361,12 +358,12 @@ def fused_grpo_token_loss(logits, ids, advantages, mask, old_logps=None, ref_log
     Reduce with loss.reduce_loss(per_token_loss, mask, loss_type, ...), as
     loss.policy_loss does.
 
-    options.inplace_backward=True writes dlogits into the logits' storage,
-    destroying them (as Liger's inplace=True): only when nothing reads them
-    after this backward. For the full saving they must not be a view: autograd
-    turns the gradient of logits[:, :-1] into a fresh (B, T + 1, V) tensor.
+    inplace_backward=True writes dlogits into the logits' storage, destroying
+    them (as Liger's inplace=True): only when nothing reads them after this
+    backward. For the full saving they must not be a view: autograd turns the
+    gradient of logits[:, :-1] into a fresh (B, T + 1, V) tensor.
     """
-    o = options
+    s = settings
     if logits.dim() != 3 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be (B, T, V) with stride(-1) == 1, got shape "
                          f"{tuple(logits.shape)} and strides {logits.stride()}: "
@@ -380,20 +377,16 @@ def fused_grpo_token_loss(logits, ids, advantages, mask, old_logps=None, ref_log
         raise ValueError(f"with logits {tuple(logits.shape)} expected ids and mask "
                          f"({B}, {T}) and advantages ({B},), got {tuple(ids.shape)}, "
                          f"{tuple(mask.shape)}, {tuple(advantages.shape)}")
-    if o.beta != 0 and ref_logps is None:
-        raise ValueError(f"beta={o.beta} needs ref_logps (the reference model's "
+    if s.beta != 0 and ref_logps is None:
+        raise ValueError(f"beta={s.beta} needs ref_logps (the reference model's "
                          f"log-probs); or set beta=0")
-    if o.temperature <= 0:
-        raise ValueError(f"temperature={o.temperature} must be > 0 "
+    if s.temperature <= 0:
+        raise ValueError(f"temperature={s.temperature} must be > 0 "
                          f"(use the sampling temperature)")
-    if o.objective not in OBJECTIVES:
-        raise ValueError(f"objective={o.objective!r}: choose one of {tuple(OBJECTIVES)}")
-    if o.delta is not None and o.objective != "clip":
-        raise ValueError(f"delta caps the clipped surrogate's ratio: objective={o.objective!r} "
-                         f"has no clip (set delta=None)")
 
     outputs = _FusedGRPOTokenLoss.apply(logits, ids, advantages, mask, old_logps,
-                                        ref_logps, token_weight, o)
+                                        ref_logps, token_weight, s, entropy_coef,
+                                        inplace_backward)
     loss, logps, kl, entropy, clipped_low, clipped_high = outputs
 
     stats = dict(is_clipped_low=clipped_low, is_clipped_high=clipped_high, kl=kl,

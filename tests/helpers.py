@@ -140,6 +140,17 @@ def fine_tune(model, examples, steps, lr=3e-3):
         optimizer.zero_grad()
 
 
+def fast_forward():
+    """model.Forward with fast/update.py's functions, as fast.install hands them
+    to train.py where the loss needs the logits: each prompt's forward shared by
+    its completions, the log-probs and entropies by chunks (no fused head)."""
+    from fast import update
+    from model import Forward
+
+    return Forward(logits=update.completion_logits, logps=update.selective_log_softmax,
+                   entropies=update.entropy_from_logits)
+
+
 def read_metrics(out_dir):
     path = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.exists(path):

@@ -124,7 +124,7 @@ def test_a_shut_gate_is_no_bonus(tmp_path):
     The coefficient falls from the recipe's 0.1 by 0.005 a step and the bonus is
     never applied: every other number is that of a run with --entropy-coef 0, to
     rounding (that run's update takes the fused head, its projections on the real
-    tokens only: model.completion_logps).
+    tokens only: fast.update.completion_logps).
     """
     _, out, records = run_train(FAST + ["--adaptive-entropy", "--entropy-target", "0"],
                                 tmp_path / "adaptive")

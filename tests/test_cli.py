@@ -50,6 +50,7 @@ FLAG_CASES = {
         (["--num-iterations", "0"], "argument --num-iterations: must be >= 1, got 0"),
     "unknown loss_type": (["--loss-type", "ppo"], "invalid choice: 'ppo'"),
     "unknown scale_rewards": (["--scale-rewards", "std"], "invalid choice: 'std'"),
+    "unknown fast": (["--fast", "yes"], "invalid choice: 'yes'"),
     "max_new_tokens<=0":
         (["--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1, got 0"),
     "temperature<=0":
@@ -142,6 +143,7 @@ def test_good_flags_parse(parser):
     assert args.vllm_memory == 1.0
     assert args.task_digits == 6
     assert args.reward_timeout == 300
+    assert args.fast == "auto"
 
 
 # name: (args, expected text): the rules between flags (config.check_flags), in-process

@@ -112,11 +112,12 @@ def project_modules():
         if name.endswith(".py"):
             modules[name[:-3]] = os.path.join(ROOT, name)
 
-    kernels = os.path.join(ROOT, "kernels")
-    modules["kernels"] = os.path.join(kernels, "__init__.py")
-    for name in sorted(os.listdir(kernels)):
-        if name.endswith(".py") and name != "__init__.py":
-            modules[f"kernels.{name[:-3]}"] = os.path.join(kernels, name)
+    for package in ("kernels", "fast"):
+        folder = os.path.join(ROOT, package)
+        modules[package] = os.path.join(folder, "__init__.py")
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".py") and name != "__init__.py":
+                modules[f"{package}.{name[:-3]}"] = os.path.join(folder, name)
 
     return modules
 
@@ -143,8 +144,8 @@ def module_level(nodes):
 def top_level_imports(path, modules):
     """The project modules that the file at path imports when it is imported."""
     tree = ast.parse(open(path, encoding="utf-8").read())
-    in_kernels = os.path.basename(os.path.dirname(path)) == "kernels"
-    package = "kernels" if in_kernels else ""
+    folder = os.path.basename(os.path.dirname(path))
+    package = folder if folder in ("kernels", "fast") else ""
 
     found = set()
     for node in module_level(tree.body):
@@ -189,3 +190,25 @@ def test_no_import_cycles():
 
     for name in sorted(graph):
         visit(name, [])
+
+
+def test_the_stages_never_import_fast():
+    """fast/ is installed by train.py (--fast) and reaches the stages only
+    through what fast.install hands back: no other module imports it, at any
+    level (a function's import included)."""
+    modules = project_modules()
+    importers = set()
+    for name, path in modules.items():
+        if name in ("train", "fast") or name.startswith("fast."):
+            continue
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            if any(n == "fast" or n.startswith("fast.") for n in names):
+                importers.add(name)
+    assert not importers, sorted(importers)
+

@@ -8,6 +8,7 @@ several blocks and a ragged last one. fp32 cases must agree with loss.py within
 reruns the comparison at real shapes (and N * V > 2**31) and under
 torch.compile.
 """
+import dataclasses
 import itertools
 import os
 
@@ -15,9 +16,8 @@ import pytest
 import torch
 
 import kernels.grpo as grpo
-from kernels import FusedLossOptions, fused_grpo_token_loss
-from loss import LossSettings, importance_weight
-from loss_calls import call_fused, call_grpo_loss
+from kernels import fused_grpo_token_loss
+from loss import LossSettings, grpo_loss, importance_weight
 from model import entropy_from_logits, selective_log_softmax
 from reduction import reduce_loss
 
@@ -29,11 +29,11 @@ pytestmark = pytest.mark.filterwarnings(INTERPRETER_WARNINGS)
 TOL = dict(atol=1e-5, rtol=1e-5)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GPU_BLOCK_V = grpo.BLOCK_V
-# each loss type's normaliser: reduce_loss's and call_grpo_loss's keywords
+# each loss type's normaliser: reduce_loss's keywords
 REDUCE = {
     "grpo": {},
     "bnpo": {},
-    "dr_grpo": {"max_completion_length": 8},
+    "dr_grpo": {"max_new_tokens": 8},
     "dapo": {"num_items": 11},
     "cispo": {"num_items": 11},
     "sapo": {},
@@ -89,7 +89,9 @@ def run_reference(logits, ids, advantages, mask, old_logps, ref_logps, *,
 
     settings: LossSettings' fields, the ones the kernel shares with loss.py.
     """
-    s = LossSettings(loss_type=loss_type, **settings)
+    normaliser = REDUCE[loss_type]
+    s = LossSettings(loss_type=loss_type, max_new_tokens=normaliser.get("max_new_tokens"),
+                     **settings)
     logps = selective_log_softmax(logits, ids, s.temperature)  # (B, T)
     entropies = None
     if s.entropy_coef:
@@ -99,30 +101,31 @@ def run_reference(logits, ids, advantages, mask, old_logps, ref_logps, *,
         weight = tis_weight(logps, old_logps, sampling_logps, mask, tis_cap)
 
     # grpo_loss gets the entropies for their metric only: no bonus of its own
-    no_bonus = dict(settings, entropy_coef=0.0)
-    loss, metrics = call_grpo_loss(logps, old_logps, ref_logps, advantages, mask,
-                                   loss_type=loss_type, entropies=entropies,
-                                   token_weight=weight, **no_bonus, **REDUCE[loss_type])
+    no_bonus = dataclasses.replace(s, entropy_coef=0.0)
+    loss, metrics = grpo_loss(logps, old_logps, ref_logps, advantages, mask, no_bonus,
+                              entropies=entropies, token_weight=weight,
+                              num_items=normaliser.get("num_items"))
 
     # The kernel folds -entropy_coef * H_t into its per-token loss, so the loss
     # type reduces it too. (loss.policy_loss runs the kernel without it, and adds
     # grpo_loss's mean-entropy bonus instead.)
     if s.entropy_coef:
-        bonus = reduce_loss(entropies, mask, loss_type, **REDUCE[loss_type])
+        bonus = reduce_loss(entropies, mask, loss_type, **normaliser)
         loss = loss - s.entropy_coef * bonus
     return loss, logps.detach(), metrics
 
 
 def run_fused(logits, ids, advantages, mask, old_logps, ref_logps, *, loss_type="grpo",
-              token_weight=None, **options):
+              token_weight=None, entropy_coef=0.0, **settings):
     """The kernel on logits -> (reduced loss, per-token loss, logps, stats).
 
-    options: FusedLossOptions' fields.
+    settings: LossSettings' fields; entropy_coef: the kernel's own per-token
+    entropy term.
     """
-    objective = loss_type if loss_type in ("cispo", "sapo") else "clip"
-    per_token, logps, stats = call_fused(logits, ids, advantages, mask, old_logps,
-                                         ref_logps, token_weight=token_weight,
-                                         objective=objective, **options)
+    s = LossSettings(loss_type=loss_type, **settings)
+    per_token, logps, stats = fused_grpo_token_loss(
+        logits, ids, advantages, mask, old_logps, ref_logps, token_weight=token_weight,
+        settings=s, entropy_coef=entropy_coef)
 
     loss = reduce_loss(per_token, mask, loss_type, **REDUCE[loss_type])
     return loss, per_token, logps, stats
@@ -138,7 +141,7 @@ def compare(base, ids, advantages, mask, old_logps, ref_logps, sampling_logps=No
     logps and stats.
 
     kwargs: the settings both take (temperature, epsilon_low, epsilon_high,
-    beta, entropy_coef, kl_bias_correction, sapo_tau_pos, sapo_tau_neg).
+    beta, entropy_coef, kl_bias_correction, sapo_tau, delta).
     """
     view = view or (lambda x: x[:, :-1])
 
@@ -211,7 +214,8 @@ def test_matches_loss_py_fp32(temperature, has_old, beta, entropy_coef, tis_cap)
 
 def test_without_ref_logps_and_stats_keys():
     base, ids, advantages, mask, old_logps, *_ = make_batch()
-    _, _, stats = call_fused(base[:, :-1], ids, advantages, mask, old_logps)
+    _, _, stats = fused_grpo_token_loss(base[:, :-1], ids, advantages, mask, old_logps,
+                                       settings=LossSettings())
     assert set(stats) == {"is_clipped_low", "is_clipped_high"}
     assert stats["is_clipped_low"].dtype == torch.bool
 
@@ -250,7 +254,7 @@ def test_objectives_match_loss_py_fp32(loss_type, has_old, kl_bias_correction):
                   sampling_logps=sampling_logps, tis_cap=2.0, loss_type=loss_type,
                   temperature=0.7, epsilon_high=epsilon_high, beta=0.04,
                   entropy_coef=0.01, kl_bias_correction=kl_bias_correction,
-                  sapo_tau_pos=0.8, sapo_tau_neg=1.3)
+                  sapo_tau=(0.8, 1.3))
     assert_matches(out, mask)
 
     stats, metrics = out["metrics"]
@@ -319,7 +323,8 @@ def test_delta_at_a_tie_and_below_one(delta):
     delta = 1 ties the two sides of the min (torch splits the gradient, and
     both clamps pass it); delta = 0.9 makes the min pick the capped side where
     A > 0 (no gradient) and the clipped one, inside its bounds, where A < 0.
-    The judge is TRL's formula in torch; loss.py refuses delta <= 1 + eps_high.
+    The judge is TRL's formula in torch; loss.check_settings refuses
+    delta <= 1 + eps_high.
     """
     base, ids, advantages, mask, *_ = make_batch()
     logits = base[:, :-1].detach().requires_grad_()
@@ -333,7 +338,8 @@ def test_delta_at_a_tie_and_below_one(delta):
     (expected_grad,) = torch.autograd.grad(expected.sum(), logits)
 
     fused = logits.detach().clone().requires_grad_()
-    per_token, _, _ = call_fused(fused, ids, advantages, mask, delta=delta)
+    per_token, _, _ = fused_grpo_token_loss(fused, ids, advantages, mask,
+                                            settings=LossSettings(delta=delta))
     (grad,) = torch.autograd.grad(per_token.sum(), fused)
 
     torch.testing.assert_close(per_token, expected.detach(), **TOL)
@@ -421,8 +427,9 @@ def test_row_of_lowest_logits_is_uniform():
     ids = torch.tensor([[0, 7]], device=DEVICE)
     ones = torch.ones(1, 2, device=DEVICE)
 
-    per_token, logps, stats = call_fused(logits, ids, ones[0, :1], ones, ones, ones,
-                                         temperature=0.7, beta=0.5, entropy_coef=0.1)
+    settings = LossSettings(temperature=0.7, beta=0.5)
+    per_token, logps, stats = fused_grpo_token_loss(logits, ids, ones[0, :1], ones, ones, ones,
+                                                    settings=settings, entropy_coef=0.1)
     log_v = torch.log(torch.tensor(float(V), device=DEVICE))
     torch.testing.assert_close(logps, -log_v.expand(1, 2))
     torch.testing.assert_close(stats["entropy"], log_v.expand(1, 2))
@@ -480,8 +487,9 @@ def test_inplace_backward_reuses_the_logits_storage():
 
     # contiguous (B, T, V): the trainer's best case
     logits = base[:, :-1].clone().requires_grad_()
-    per_token, _, _ = call_fused(logits, ids, advantages, mask, old_logps, ref_logps,
-                                 beta=0.04, inplace_backward=True)
+    per_token, _, _ = fused_grpo_token_loss(logits, ids, advantages, mask, old_logps,
+                                            ref_logps, settings=LossSettings(beta=0.04),
+                                            inplace_backward=True)
     reduce_loss(per_token, mask, "grpo").backward()
 
     assert logits.grad.data_ptr() == logits.data_ptr()
@@ -544,21 +552,21 @@ def assert_within_bf16_error(ours, torch_bf16):
 def test_bad_inputs_say_what_to_change():
     base, ids, advantages, mask, old_logps, ref_logps, _ = make_batch()
     logits = base[:, :-1]
+    plain = LossSettings()
 
     with pytest.raises(ValueError, match="contiguous"):
-        call_fused(base.transpose(1, 2), ids, advantages, mask)
+        fused_grpo_token_loss(base.transpose(1, 2), ids, advantages, mask, settings=plain)
     with pytest.raises(ValueError, match="ref_logps"):
-        call_fused(logits, ids, advantages, mask, beta=0.1)
+        fused_grpo_token_loss(logits, ids, advantages, mask, settings=LossSettings(beta=0.1))
     with pytest.raises(ValueError, match="expected ids and mask"):
-        call_fused(base, ids, advantages, mask)
+        fused_grpo_token_loss(base, ids, advantages, mask, settings=plain)
     with pytest.raises(ValueError, match="float64"):
-        call_fused(logits.double(), ids, advantages, mask)
+        fused_grpo_token_loss(logits.double(), ids, advantages, mask, settings=plain)
     with pytest.raises(ValueError, match="old_logps"):
-        call_fused(logits, ids, advantages, mask, old_logps[:, :2])
-    with pytest.raises(ValueError, match="objective='ppo'"):
-        call_fused(logits, ids, advantages, mask, objective="ppo")
-    with pytest.raises(ValueError, match="objective='sapo' has no clip"):
-        call_fused(logits, ids, advantages, mask, objective="sapo", delta=4.0)
+        fused_grpo_token_loss(logits, ids, advantages, mask, old_logps[:, :2], settings=plain)
+    with pytest.raises(ValueError, match="temperature=0 must be > 0"):
+        fused_grpo_token_loss(logits, ids, advantages, mask,
+                              settings=LossSettings(temperature=0))
 
 
 def test_torch_compile_around_the_op_cpu():
@@ -567,12 +575,12 @@ def test_torch_compile_around_the_op_cpu():
     base, ids, advantages, mask, old_logps, ref_logps, _ = make_batch()
     V = base.shape[-1]
     weight = torch.randn(V, V, generator=torch.Generator().manual_seed(0)).to(DEVICE) / 10
-    options = FusedLossOptions(beta=0.04)
+    settings = LossSettings(beta=0.04)
 
     def step(hidden):
         logits = (hidden @ weight)[:, :-1]
         per_token, _, _ = fused_grpo_token_loss(logits, ids, advantages, mask, old_logps,
-                                                ref_logps, options=options)
+                                                ref_logps, settings=settings)
         return reduce_loss(per_token, mask, "bnpo")
 
     grads = []
@@ -600,10 +608,11 @@ def test_real_shapes_gpu(B, T, V, monkeypatch):
     old_logps = logps + 0.3 * torch.randn_like(logps)
     ref_logps = logps + 0.3 * torch.randn_like(logps)
     kwargs = dict(temperature=0.7, epsilon_low=0.2, epsilon_high=0.28, beta=0.04)
+    settings = LossSettings(**kwargs)
 
     ours_base = base.clone().requires_grad_()
-    per_token, ours_logps, _ = call_fused(ours_base[:, :-1], ids, advantages, mask,
-                                          old_logps, ref_logps, **kwargs)
+    per_token, ours_logps, _ = fused_grpo_token_loss(ours_base[:, :-1], ids, advantages, mask,
+                                                     old_logps, ref_logps, settings=settings)
     # unnormalised: gradient entries of order p, so tolerances bite
     (per_token * mask).sum().backward()
 
@@ -614,7 +623,7 @@ def test_real_shapes_gpu(B, T, V, monkeypatch):
         ref_base[:, :-1], ids[rows], advantages[rows], mask[rows], old_logps[rows],
         ref_logps[rows], loss_type="dr_grpo", **kwargs)
     # dr_grpo's loss times its normaliser B * L = the sum
-    normaliser = 2 * REDUCE["dr_grpo"]["max_completion_length"]
+    normaliser = 2 * REDUCE["dr_grpo"]["max_new_tokens"]
     (ref_grad,) = torch.autograd.grad(ref_loss * normaliser, ref_base)
 
     torch.testing.assert_close(ours_logps[rows] * mask[rows], ref_logps_out * mask[rows],
@@ -623,13 +632,11 @@ def test_real_shapes_gpu(B, T, V, monkeypatch):
     bf16_tol = dict(atol=1e-6, rtol=2 ** -7)
     torch.testing.assert_close(ours_base.grad[rows].float(), ref_grad.float(), **bf16_tol)
 
-    options = FusedLossOptions(**kwargs)
-
     def step(logits):
         """The code around the op, compiled by inductor."""
         logits = (logits.float() * 1.0).bfloat16()
         per_token, _, _ = fused_grpo_token_loss(logits[:, :-1], ids, advantages, mask,
-                                                old_logps, ref_logps, options=options)
+                                                old_logps, ref_logps, settings=settings)
         return (per_token * mask).sum()
 
     compiled_base = base.clone().requires_grad_()

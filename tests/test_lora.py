@@ -14,8 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 from config import LORA_TARGETS
-from helpers import read_metrics, run_train, without_timings
-from lora import AdaptersOff, add_lora, lora_config, merged_adapters
+from fast.lora import merged_adapters
+from helpers import fast_forward, read_metrics, run_train, without_timings
+from lora import AdaptersOff, add_lora, lora_config
 from model import prompt_batch, sequence_batch, sequence_logps
 
 peft = pytest.importorskip("peft", reason="LoRA needs peft (requirements*.txt)")
@@ -31,11 +32,13 @@ def lora_policy(model, targets=LORA_TARGETS, rank=4):
 def logps_of(model, prompts, completions):
     """The trainer's per-token log-probs (N, T) of fixed completions.
 
-    As train.py computes the old and reference log-probs.
+    As train.py computes the old and reference log-probs (fast.install's
+    forward: each prompt once for its completions).
     """
     completion_ids = torch.tensor(completions)  # (N, T)
     prompt_rows = prompt_batch(prompts, 0)
-    return sequence_logps(model, prompt_rows, completion_ids, 1.0, micro=len(prompts))
+    return sequence_logps(fast_forward(), model, prompt_rows, completion_ids, 1.0,
+                          micro=len(prompts))
 
 
 def train_steps(policy, prompts, completions, steps=3, lr=0.05):
@@ -144,13 +147,14 @@ def test_vllm_samples_from_the_merged_policy(tiny, data):
 
 
 def test_hf_engine_samples_through_merged_adapters(tiny, data, monkeypatch):
-    """On the CPU the HF engine runs each adapted layer as one matmul of its
-    merged weight (lora.merged_adapters): the same completions and log-probs
-    (< 1e-5) as peft's layers, and the layers are peft's again after it."""
+    """On the CPU the HF engine's fast loop (fast.decode.FastHFEngine) runs
+    each adapted layer as one matmul of its merged weight
+    (fast.lora.merged_adapters): the same completions and log-probs (< 1e-5) as
+    peft's layers, and the layers are peft's again after it."""
     import contextlib
 
-    import rollout
-    from rollout import HFEngine
+    import fast.decode
+    from fast.decode import FastHFEngine
 
     _, _, tokenizer, _ = tiny
     model, prompts, completions = data
@@ -171,9 +175,10 @@ def test_hf_engine_samples_through_merged_adapters(tiny, data, monkeypatch):
     assert all(torch.equal(p, frozen[n]) for n, p in policy.named_parameters())
 
     # the engine's samples: a new engine each, the same seed for its first call
-    merged = HFEngine(policy, tokenizer, seed=0).generate(prompts, G, 12, temperature=1.0)
-    monkeypatch.setattr(rollout, "merged_adapters", lambda model: contextlib.nullcontext())
-    plain = HFEngine(policy, tokenizer, seed=0).generate(prompts, G, 12, temperature=1.0)
+    merged = FastHFEngine(policy, tokenizer, seed=0).generate(prompts, G, 12, temperature=1.0)
+    monkeypatch.setattr(fast.decode, "merged_adapters",
+                        lambda model: contextlib.nullcontext())
+    plain = FastHFEngine(policy, tokenizer, seed=0).generate(prompts, G, 12, temperature=1.0)
     assert torch.equal(merged.completion_ids, plain.completion_ids)
     mask = plain.completion_mask.bool()
     assert (merged.sampling_logps - plain.sampling_logps)[mask].abs().max() < 1e-5
@@ -236,12 +241,17 @@ def test_update_through_merged_adapters_has_peft_gradients(data):
     assert (merged_dropped - peft_loss).abs() > 1e-4
 
 
-def test_update_path_nests_packed_positions_in_merged_adapters(data):
-    """train.py's update of a LoRA policy: completion_logps (packed_positions
-    wraps q/k/v/o and the MLPs) inside merged_adapters (which wraps q/k/v/o
+def test_update_path_nests_packed_positions_in_merged_adapters(data, monkeypatch):
+    """train.py's update of a LoRA policy (fast.install's): completion_logps
+    (packed_positions wraps q/k/v/o and the MLPs) inside the merged_adapters
+    that fast.update.completion_logits enters with gradients (which wraps q/k/v/o
     first). The wrappers nest: the log-probs and the adapters' gradients are
     peft's (< 1e-5), and every forward is the class's again after."""
-    from model import completion_logps
+    import contextlib
+
+    import fast.update
+    from fast.lora import MergedLoraLinear
+    from fast.update import completion_logps
 
     model, prompts, completions = data
     policy = lora_policy(model)
@@ -258,9 +268,17 @@ def test_update_path_nests_packed_positions_in_merged_adapters(data):
         grads = {n: p.grad for n, p in policy.named_parameters() if p.requires_grad}
         return logps.detach(), grads
 
+    # the merged layers ran (MergedLoraLinear), inside packed_positions' wrappers
+    applied = []
+    apply = MergedLoraLinear.apply
+    monkeypatch.setattr(MergedLoraLinear, "apply",
+                        staticmethod(lambda *args: applied.append(1) or apply(*args)))
+    got, got_grads = run()
+    assert applied
+    # peft's layers
+    monkeypatch.setattr(fast.update, "merged_adapters", lambda model: contextlib.nullcontext())
     want, want_grads = run()
-    with merged_adapters(policy):
-        got, got_grads = run()
+
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)

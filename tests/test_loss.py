@@ -13,10 +13,10 @@ import torch
 
 from batch import UpdateBatch, high_entropy_mask, quantile_over_ranks, unique_rows
 from config import CLIPPED_LOSS_TYPES, LOSS_TYPES
-from loss import (LossSettings, choose_impl, grpo_loss, importance_weight,
+from loss import (LossSettings, check_settings, choose_impl, grpo_loss, importance_weight,
                   off_policy_keep, policy_loss, policy_weight)
-from loss_calls import call_grpo_loss
 from metrics import step_metrics, token_stats
+import fast.update
 from model import entropy_from_logits, selective_log_softmax
 from reduction import REDUCTION, minibatch_tokens, reduce_loss
 
@@ -24,6 +24,8 @@ f64 = dict(dtype=torch.float64)
 
 
 # ---- selective_log_softmax / entropy_from_logits -------------------------------
+# model.py's plain ones, and fast/update.py's (by chunks of rows, the log-prob's
+# backward by hand)
 
 def test_selective_log_softmax_by_hand():
     logits = torch.tensor([[[0.0, math.log(3.0)], [2.0, 2.0]]])  # (1, 2, 2)
@@ -48,9 +50,13 @@ def test_selective_log_softmax_matches_full_log_softmax_in_chunks(dtype):
     full = log_probs.gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # (3, 7)
     (grad_full,) = torch.autograd.grad(full.square().sum(), model_logits)
 
-    # all at once, positions, ragged pieces, one sequence, 2 (ragged)
+    # the plain one; then all at once, positions, ragged pieces, one sequence, 2 (ragged)
+    ways = [lambda: selective_log_softmax(logits, ids, 0.7)]
     for chunk_rows in (None, 1, 4, 7, 14):
-        out = selective_log_softmax(logits, ids, 0.7, chunk_rows=chunk_rows)
+        ways.append(lambda rows=chunk_rows: fast.update.selective_log_softmax(
+            logits, ids, 0.7, chunk_rows=rows))
+    for way in ways:
+        out = way()
         assert out.dtype == torch.float32
         torch.testing.assert_close(out, full, rtol=1e-6, atol=1e-6)
 
@@ -63,7 +69,7 @@ def test_selective_log_softmax_matches_full_log_softmax_in_chunks(dtype):
 
 
 def test_log_prob_backward_by_gradcheck_and_what_it_saves():
-    """model.ChosenLogps's hand-written backward: gradcheck in float64, FILTERED
+    """fast.update.ChosenLogps's hand-written backward: gradcheck in float64, FILTERED
     and -inf logits included; and for backward it keeps the logits as they came
     (bf16 stays bf16) and one number a row, not an fp32 copy of the logits."""
     from model import FILTERED
@@ -74,7 +80,8 @@ def test_log_prob_backward_by_gradcheck_and_what_it_saves():
     logits[1, 2, 5] = -torch.inf
     logits.requires_grad_()
     ids = torch.tensor([[0, 1, 2], [3, 4, 0]])
-    assert torch.autograd.gradcheck(lambda x: selective_log_softmax(x, ids, 0.7), (logits,))
+    chosen_logps = fast.update.selective_log_softmax
+    assert torch.autograd.gradcheck(lambda x: chosen_logps(x, ids, 0.7), (logits,))
 
     saved = []
 
@@ -84,7 +91,7 @@ def test_log_prob_backward_by_gradcheck_and_what_it_saves():
 
     bf16 = torch.randn(4, 5, 64, dtype=torch.bfloat16, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        selective_log_softmax(bf16, torch.randint(64, (4, 5)), 0.7).sum().backward()
+        chosen_logps(bf16, torch.randint(64, (4, 5)), 0.7).sum().backward()
     logits_sized = [t for t in saved if t.numel() == bf16.numel()]
     assert len(logits_sized) == 1 and logits_sized[0].dtype == torch.bfloat16
     assert sum(t.numel() for t in saved) == bf16.numel() + 2 * 4 * 5  # + ids, lse
@@ -96,43 +103,42 @@ def test_chunks_are_checkpointed_only_when_there_are_several(monkeypatch):
     fp32 copy of more than one chunk is kept for backward (the bound at
     V = 151,936).
     """
-    import model
-
     calls = []
 
     def counting_checkpoint(fn, *args, **kwargs):
         calls.append(1)
         return fn(*args)
 
-    monkeypatch.setattr(model, "checkpoint", counting_checkpoint)
+    monkeypatch.setattr(fast.update, "checkpoint", counting_checkpoint)
     logits = torch.randn(3, 7, 50, requires_grad=True)
     ids = torch.randint(50, (3, 7))
 
     for chunk_rows, expected in ((None, 0), (21, 0), (14, 2), (7, 3), (4, 6)):
         calls.clear()
-        selective_log_softmax(logits, ids, chunk_rows=chunk_rows).sum().backward()
+        fast.update.selective_log_softmax(logits, ids, chunk_rows=chunk_rows).sum().backward()
         assert len(calls) == expected, (chunk_rows, len(calls))
 
     # the default bound: one sequence of V = 50 per chunk
-    monkeypatch.setattr(model, "CHUNK_ELEMENTS", 7 * 50)
+    monkeypatch.setattr(fast.update, "CHUNK_ELEMENTS", 7 * 50)
     calls.clear()
-    entropy_from_logits(logits).sum().backward()
+    fast.update.entropy_from_logits(logits).sum().backward()
     assert len(calls) == 3
 
 
-def test_entropy_by_hand():
+@pytest.mark.parametrize("entropy", [entropy_from_logits, fast.update.entropy_from_logits])
+def test_entropy_by_hand(entropy):
     uniform = torch.zeros(2, 3, 8)
     expected = torch.full((2, 3), math.log(8))
-    torch.testing.assert_close(entropy_from_logits(uniform), expected)
+    torch.testing.assert_close(entropy(uniform), expected)
 
     two = torch.tensor([[[0.0, math.log(3.0)]]])  # p = (1/4, 3/4)
     expected = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
-    torch.testing.assert_close(entropy_from_logits(two), torch.tensor([[expected]]))
+    torch.testing.assert_close(entropy(two), torch.tensor([[expected]]))
 
     # temperature -> infinity flattens any distribution to uniform
     peaked = torch.tensor([[[0.0, 5.0]]])
     expected = torch.tensor([[math.log(2)]])
-    torch.testing.assert_close(entropy_from_logits(peaked, 1e6), expected)
+    torch.testing.assert_close(entropy(peaked, 1e6), expected)
 
 
 def test_chunked_functions_gradcheck_float64():
@@ -141,10 +147,10 @@ def test_chunked_functions_gradcheck_float64():
     ids = torch.randint(5, (2, 3))
 
     def logps(x):
-        return selective_log_softmax(x, ids, 0.8, chunk_rows=2)
+        return fast.update.selective_log_softmax(x, ids, 0.8, chunk_rows=2)
 
     def entropies(x):
-        return entropy_from_logits(x, 1.3, chunk_rows=4)
+        return fast.update.entropy_from_logits(x, 1.3, chunk_rows=4)
 
     assert torch.autograd.gradcheck(logps, (logits,))
     assert torch.autograd.gradcheck(entropies, (logits,))
@@ -159,7 +165,7 @@ MASK = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
 @pytest.mark.parametrize("loss_type, kwargs, expected", [
     ("grpo", {}, (1.5 + 4.0) / 2),  # mean of per-sequence means
     ("bnpo", {}, 7.0 / 3),  # 1+2+4 over 3 tokens
-    ("dr_grpo", {"max_completion_length": 4}, 7.0 / (2 * 4)),  # over B * L
+    ("dr_grpo", {"max_new_tokens": 4}, 7.0 / (2 * 4)),  # over B * L
     ("dapo", {"num_items": 14}, 7.0 / 14),  # over the generation batch
 ])
 def test_reduce_loss_by_hand(loss_type, kwargs, expected):
@@ -305,10 +311,10 @@ def test_entropy_bonus_is_the_mean_token_entropy_whatever_the_loss_type(loss_typ
         num_items = 4
 
     level = "sequence" if loss_type == "luspo" else "token"
-    loss, m = call_grpo_loss(torch.zeros(2, 3), None, None, torch.zeros(2), mask,
-                             loss_type=loss_type, entropies=ent, entropy_coef=0.1,
-                             num_items=num_items, max_completion_length=8,
-                             importance_sampling_level=level)
+    settings = LossSettings(loss_type=loss_type, entropy_coef=0.1, max_new_tokens=8,
+                            importance_sampling_level=level)
+    loss, m = grpo_loss(torch.zeros(2, 3), None, None, torch.zeros(2), mask, settings,
+                        entropies=ent, num_items=num_items)
     assert loss.item() == pytest.approx(-0.25) and m["entropy"] == pytest.approx(2.5)
 
     loss.backward()
@@ -412,14 +418,14 @@ def test_grpo_loss_gradcheck(loss_type, level, kl):
 
     beta, kl_bias_correction = kl
     kw = dict(loss_type=loss_type, beta=beta, importance_sampling_level=level,
-              num_items=17, max_completion_length=6,
-              kl_bias_correction=kl_bias_correction)
-    _, metrics = call_grpo_loss(logps, old, ref, adv, mask, **kw)
+              max_new_tokens=6, kl_bias_correction=kl_bias_correction)
+    _, metrics = grpo_loss(logps, old, ref, adv, mask, LossSettings(**kw), num_items=17)
     assert loss_type == "sapo" or 0 < metrics["clip_region"] < 1
 
+    settings = LossSettings(entropy_coef=0.01, **kw)
+
     def loss(lp, e):
-        return call_grpo_loss(lp, old, ref, adv, mask, entropies=e, entropy_coef=0.01,
-                              **kw)[0]
+        return grpo_loss(lp, old, ref, adv, mask, settings, entropies=e, num_items=17)[0]
 
     inputs = (logps.clone().requires_grad_(), ent.clone().requires_grad_())
     assert torch.autograd.gradcheck(loss, inputs)
@@ -444,17 +450,32 @@ def test_gradcheck_tis():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(loss_type="ppo"), "loss_type='ppo'"),
-    (dict(importance_sampling_level="tokens"), "importance_sampling_level"),
     (dict(loss_type="dapo"), "num_items"),
-    (dict(loss_type="dr_grpo"), "max_completion_length"),
+    (dict(loss_type="dr_grpo"), "max_new_tokens"),
     (dict(beta=0.1), "ref_logps"),
     (dict(entropy_coef=0.1), "entropies"),
 ])
 def test_errors(kwargs, match):
-    """The first two raise at LossSettings(...), the others in grpo_loss."""
+    """An unknown loss type and the last two raise in grpo_loss, the others in
+    its reduce_loss."""
     with pytest.raises(ValueError, match=match):
-        call_grpo_loss(torch.zeros(1, 2), None, None, torch.ones(1), torch.ones(1, 2),
-                       **kwargs)
+        grpo_loss(torch.zeros(1, 2), None, None, torch.ones(1), torch.ones(1, 2),
+                  LossSettings(**kwargs))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(importance_sampling_level="tokens"), "importance_sampling_level='tokens'"),
+    (dict(is_correction="sequence"), "is_correction='sequence'"),
+    (dict(impl="auto"), "choose_impl resolves 'auto'"),
+    (dict(loss_type="vespo", vespo_lambda=(3.0, 0.0)), "vespo's k and lambda must be > 0"),
+])
+def test_check_settings_refuses_what_the_flags_parser_would(kwargs, match):
+    """A caller that builds LossSettings itself has no argparse: check_settings
+    refuses the values that the loss would not."""
+    check_settings(LossSettings())  # the defaults pass
+
+    with pytest.raises(ValueError, match=match):
+        check_settings(LossSettings(**kwargs))
 
 
 def test_knobs_without_sampling_logps():
@@ -465,9 +486,9 @@ def test_knobs_without_sampling_logps():
     with pytest.raises(ValueError, match="sampling_logps"):
         off_policy_keep(torch.ones(1), torch.zeros(1, 2), None, torch.ones(1, 2), 0.5)
 
-    # an unknown mode: the settings refuse it before any loss runs
+    # an unknown mode: check_settings refuses it before any loss runs
     with pytest.raises(ValueError, match="is_correction"):
-        LossSettings(is_correction="sequence")
+        check_settings(LossSettings(is_correction="sequence"))
 
 
 def test_reduce_loss_errors():
@@ -510,7 +531,7 @@ OPTIONS = {
                   masks=True),
     "token_mask": dict(old=False, beta=0.04, kl_bias_correction=True,
                        is_correction="token_mask", is_min=0.9, is_max=1.1,
-                       sapo_tau_pos=0.5, sapo_tau_neg=2.0),
+                       sapo_tau=(0.5, 2.0)),
     # INTELLECT-2's cap, which holds one A < 0 token (_micro_batch)
     "delta": dict(epsilon_high=0.28, delta=1.5, beta=0.04, is_correction="token_truncate",
                   is_max=2.0),
@@ -585,7 +606,7 @@ def _micro_batch(options, n=4, T=3, V=64, device="cpu"):
     )
 
     settings = {k: v for k, v in options.items() if k not in ("old", "masks")}
-    settings["max_completion_length"] = T + 2
+    settings["max_new_tokens"] = T + 2
     share = dict(minibatch_size=2 * n, minibatch_tokens=mask.to(device).sum() + 5)
     logits = logits.detach().to(device).requires_grad_()
     return logits, batch, settings, share
@@ -680,6 +701,43 @@ def test_policy_loss_triton_matches_torch(loss_type, options, monkeypatch):
     for key, value in ref_metrics.items():
         abs_tol = 1e-6 if key.startswith("clip") else 1e-5
         assert metrics[key] == pytest.approx(value, abs=abs_tol, rel=1e-5), key
+
+
+# intended: see test_kernel.py
+@pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_policy_loss_takes_the_callers_logps_and_entropies(impl, monkeypatch):
+    """train.py's forward may compute the log-probs and entropies itself.
+
+    Given them, policy_loss gives the same loss, gradient and metrics bit for
+    bit, and on the torch path it needs no logits.
+    """
+    if impl == "triton":
+        pytest.importorskip("triton")
+        import kernels.grpo
+
+        monkeypatch.setattr(kernels.grpo, "BLOCK_V", 32)
+    logits, batch, settings, share = _micro_batch(OPTIONS["knobs"])
+    s = _settings("grpo", settings, impl=impl)
+    expected, expected_metrics = policy_loss(logits, batch, s, **share)
+    (expected_grad,) = torch.autograd.grad(expected, logits)
+
+    entropies = entropy_from_logits(logits, s.temperature)  # (n, T)
+    logps = None
+    if impl == "torch":
+        logps = selective_log_softmax(logits, batch.completion_ids, s.temperature)  # (n, T)
+        logits_given = None
+    else:  # the kernel computes its own log-probs
+        logits_given = logits
+    loss, metrics = policy_loss(logits_given, batch, s, logps=logps, entropies=entropies,
+                                **share)
+    (grad,) = torch.autograd.grad(loss, logits)
+
+    assert torch.equal(loss, expected) and torch.equal(grad, expected_grad)
+    assert list(metrics.items()) == list(expected_metrics.items())
+    if impl == "torch":  # the bonus needs the entropies, or the logits to compute them
+        with pytest.raises(ValueError, match="pass the logits"):
+            policy_loss(None, batch, s, logps=logps.detach(), **share)
 
 
 UNIQUE_CASES = [
@@ -783,11 +841,11 @@ def test_choose_impl_says_why_and_settings_errors():
 
     # the settings take a resolved impl, and the kernel's token-level ratio only
     with pytest.raises(ValueError, match="choose_impl"):
-        LossSettings(impl="auto")
-    with pytest.raises(ValueError, match="sequence"):
-        LossSettings(impl="triton", importance_sampling_level="sequence")
-    with pytest.raises(ValueError, match="impl='torch' for loss_type='vespo'"):
-        LossSettings(impl="triton", loss_type="vespo")
+        check_settings(LossSettings(impl="auto"))
+    with pytest.raises(ValueError, match="supports --importance-sampling-level token only"):
+        check_settings(LossSettings(impl="triton", importance_sampling_level="sequence"))
+    with pytest.raises(ValueError, match="no per-sequence weight for --loss-type vespo"):
+        check_settings(LossSettings(impl="triton", loss_type="vespo"))
 
 
 # ---- the knobs: each objective and mask by hand --------------------------------
@@ -926,7 +984,6 @@ def test_truncated_completions_leave_the_loss():
     logps, old, ref, adv, mask, ent, _ = _gradcheck_inputs()
     truncated = torch.tensor([False, True, False, False])
     keep = ~truncated
-    kw = dict(beta=0.04, entropy_coef=0.01)
     # loss_type: (the normaliser with the truncated sequence, and without it)
     normalisers = {
         "grpo": (dict(num_sequences=4), dict(num_sequences=4)),
@@ -935,11 +992,11 @@ def test_truncated_completions_leave_the_loss():
     }
 
     for loss_type, (extra, extra_kept) in normalisers.items():
-        loss, _ = call_grpo_loss(logps, old, ref, adv, mask, loss_type=loss_type,
-                                 truncated=truncated, entropies=ent, **kw, **extra)
-        alone, _ = call_grpo_loss(logps[keep], old[keep], ref[keep], adv[keep],
-                                  mask[keep], loss_type=loss_type, entropies=ent[keep],
-                                  **kw, **extra_kept)
+        settings = LossSettings(loss_type=loss_type, beta=0.04, entropy_coef=0.01)
+        loss, _ = grpo_loss(logps, old, ref, adv, mask, settings, truncated=truncated,
+                            entropies=ent, **extra)
+        alone, _ = grpo_loss(logps[keep], old[keep], ref[keep], adv[keep], mask[keep],
+                             settings, entropies=ent[keep], **extra_kept)
         torch.testing.assert_close(loss, alone)
 
     assert minibatch_tokens(mask, truncated).item() == mask.sum().item() - 3
@@ -961,11 +1018,12 @@ def test_a_minibatch_of_only_truncated_completions_has_loss_zero(loss_type):
     assert tokens.item() == 1.0
 
     level = "sequence" if loss_type == "luspo" else "token"
-    loss, _ = call_grpo_loss(logps, old.float(), ref.float(), adv.float(), mask,
-                             loss_type=loss_type, truncated=truncated,
-                             entropies=ent.float(), beta=0.04, kl_bias_correction=True,
-                             entropy_coef=0.01, num_items=tokens, num_sequences=4,
-                             max_completion_length=8, importance_sampling_level=level)
+    settings = LossSettings(loss_type=loss_type, beta=0.04, kl_bias_correction=True,
+                            entropy_coef=0.01, max_new_tokens=8,
+                            importance_sampling_level=level)
+    loss, _ = grpo_loss(logps, old.float(), ref.float(), adv.float(), mask, settings,
+                        truncated=truncated, entropies=ent.float(), num_items=tokens,
+                        num_sequences=4)
     assert loss.item() == 0.0
 
     loss.backward()
@@ -1088,9 +1146,9 @@ def _naive_phi(i, batch, settings, logp_all, old_all, is_weights):
     log_w = min(max(log_w, lowest), 20.0)
 
     if batch.advantages[i] >= 0:
-        k, lam = s.vespo_k_pos, s.vespo_lambda_pos
+        k, lam = s.vespo_k[0], s.vespo_lambda[0]
     else:
-        k, lam = s.vespo_k_neg, s.vespo_lambda_neg
+        k, lam = s.vespo_k[1], s.vespo_lambda[1]
     return math.exp(lam + k * log_w - lam * math.exp(log_w))
 
 
@@ -1138,7 +1196,7 @@ def _naive_policy_loss(logits, batch, settings, *, minibatch_size, minibatch_tok
             if s.loss_type == "cispo":
                 pg = -min(float(r.detach()), s.epsilon_high) * A[i] * lp[k]
             elif s.loss_type == "sapo":
-                tau = s.sapo_tau_pos if A[i] > 0 else s.sapo_tau_neg
+                tau = s.sapo_tau[0] if A[i] > 0 else s.sapo_tau[1]
                 pg = -torch.sigmoid(tau * (r - 1)) * 4 / tau * A[i]
             elif s.loss_type == "vespo":
                 pg = -phi * A[i] * lp[k]
@@ -1158,7 +1216,7 @@ def _naive_policy_loss(logits, batch, settings, *, minibatch_size, minibatch_tok
         if losses and s.loss_type in ("grpo", "sapo"):
             total = total + sum(losses) / len(losses) / minibatch_size
         elif losses and s.loss_type == "dr_grpo":
-            total = total + sum(losses) / (minibatch_size * s.max_completion_length)
+            total = total + sum(losses) / (minibatch_size * s.max_new_tokens)
         elif losses and s.loss_type == "luspo":
             total = total + sum(losses) / minibatch_size
         elif losses:

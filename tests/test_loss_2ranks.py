@@ -29,7 +29,7 @@ V = 32
 T = 5
 N = 4  # completions per rank, in micro-batches of 2
 # the settings of every run below
-SETTINGS = dict(beta=0.04, entropy_coef=0.01, max_completion_length=T, temperature=0.7)
+SETTINGS = dict(beta=0.04, entropy_coef=0.01, max_new_tokens=T, temperature=0.7)
 
 
 def test_two_ranks_match_one_process():

@@ -118,33 +118,27 @@ def test_resolve_aliases_sets_what_tis_cap_stands_for():
     assert plain.sapo_tau == [0.5, 2.0] and plain.is_correction == "off"
 
 
-# the LossSettings fields train.py fills from a flag of another name
-FLAG_OF_FIELD = {
-    "sapo_tau_pos": "args.sapo_tau[0]",
-    "sapo_tau_neg": "args.sapo_tau[1]",
-    "vespo_k_pos": "args.vespo_k[0]",
-    "vespo_k_neg": "args.vespo_k[1]",
-    "vespo_lambda_pos": "args.vespo_lambda[0]",
-    "vespo_lambda_neg": "args.vespo_lambda[1]",
-    "max_completion_length": "args.max_new_tokens",
-    "impl": "loss_impl",  # choose_impl's, from --loss-impl
-}
-
-
 def test_train_py_builds_the_loss_settings_from_the_flags():
-    """train.py's LossSettings(...): every field, each from the flag of its name
-    (or FLAG_OF_FIELD's). --sapo-tau POS NEG: POS is sapo_tau_pos."""
+    """train.py builds its LossSettings once, with from_flags: no field is
+    listed by hand. Each field but impl (choose_impl's) is the flag of its
+    name; --sapo-tau POS NEG is the pair sapo_tau."""
     with open(os.path.join(ROOT, "train.py")) as f:
         tree = ast.parse(f.read())
-    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
-             and isinstance(node.func, ast.Name) and node.func.id == "LossSettings"]
-    assert len(calls) == 1, "train.py builds its LossSettings once"
+    calls = [ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)]
+    built = [name for name in calls if name in ("LossSettings", "LossSettings.from_flags")]
+    assert built == ["LossSettings.from_flags"], built
 
-    given = {k.arg: ast.unparse(k.value) for k in calls[0].keywords}
-    fields = [field.name for field in dataclasses.fields(LossSettings)]
-    assert sorted(given) == sorted(fields)
-    for name in fields:
-        assert given[name] == FLAG_OF_FIELD.get(name, f"args.{name}"), (name, given[name])
+    args = parse(["--loss-type", "sapo", "--sapo-tau", "0.5", "2", "--beta", "0.04"])
+    settings = LossSettings.from_flags(args, impl="torch")
+    for field in dataclasses.fields(LossSettings):
+        if field.name == "impl":
+            continue
+        flag = getattr(args, field.name)
+        if isinstance(flag, list):  # the pairs
+            flag = tuple(flag)
+        assert getattr(settings, field.name) == flag, field.name
+    assert settings.sapo_tau == (0.5, 2.0) and settings.impl == "torch"
+    hash(settings)  # frozen all through: the pairs are tuples
 
 
 # ---- one short run per flag ----------------------------------------------------

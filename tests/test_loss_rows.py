@@ -11,11 +11,11 @@ import math
 import pytest
 import torch
 
+from batch import UpdateBatch
 from config import check_flags
 from helpers import parse_flags as parse
 from helpers import refused, run_train
-from loss import LossSettings, importance_weight
-from loss_calls import call_grpo_loss, call_policy_loss
+from loss import LossSettings, check_settings, grpo_loss, importance_weight, policy_loss
 from reduction import reduce_loss
 
 f64 = dict(dtype=torch.float64)
@@ -133,10 +133,16 @@ def trl_vespo(per_token_logps, old_per_token_logps, advantages, mask, num_items,
 # Ours against them
 
 def ours(logits, ids, A, mask, old, sampling=None, **settings):
-    """policy_loss on the case: the minibatch is the micro-batch."""
-    return call_policy_loss(logits, ids, A, mask, old, None, sampling,
-                            minibatch_size=A.shape[0], minibatch_tokens=mask.sum(),
-                            max_completion_length=mask.shape[1] + 2, **settings)
+    """policy_loss on the case: the minibatch is the micro-batch.
+
+    settings: LossSettings' fields.
+    """
+    batch = UpdateBatch(completion_ids=ids, completion_mask=mask, advantages=A,
+                        sampling_logps=sampling, old_logps=old)
+    settings = LossSettings(max_new_tokens=mask.shape[1] + 2, **settings)
+
+    return policy_loss(logits, batch, settings, minibatch_size=A.shape[0],
+                       minibatch_tokens=mask.sum())
 
 
 def assert_same_value_and_gradient(loss, expected, logits):
@@ -174,8 +180,8 @@ def test_luspo_weighs_each_sequence_by_its_length():
     A = torch.tensor([1.0, -0.5])
     mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
 
-    loss, _ = call_grpo_loss(logps, None, None, A, mask, loss_type="luspo",
-                             importance_sampling_level="sequence")
+    settings = LossSettings(loss_type="luspo", importance_sampling_level="sequence")
+    loss, _ = grpo_loss(logps, None, None, A, mask, settings)
     assert loss.item() == pytest.approx(-(1.0 * 1 - 0.5 * 3) / 2)
 
     loss.backward()  # every token of sequence i: -A_i / B
@@ -203,8 +209,7 @@ def test_vespo_matches_trl(seed, is_correction, is_min, is_max, k, lam):
 
     loss, metrics = ours(logits, ids, A, mask, old, sampling, loss_type="vespo",
                          is_correction=is_correction, is_min=is_min, is_max=is_max,
-                         vespo_k_pos=k[0], vespo_k_neg=k[1], vespo_lambda_pos=lam[0],
-                         vespo_lambda_neg=lam[1])
+                         vespo_k=k, vespo_lambda=lam)
 
     is_ratio = None
     if is_correction != "off":
@@ -227,17 +232,16 @@ def test_vespo_phi_by_hand():
     logps = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
     old = logps.detach() - torch.tensor([[0.4, 0.3, 9.0]])  # the 9 is padding
     mask = torch.tensor([[1, 1, 0]])
+    settings = LossSettings(loss_type="vespo")
 
     for A, k, lam in ((1.0, 2.0, 3.0), (-1.0, 3.0, 2.0)):
         w = math.exp(0.7)
         phi = math.exp(lam) * w ** k * math.exp(-lam * w)
-        loss, m = call_grpo_loss(logps, old, None, torch.tensor([A]), mask,
-                                 loss_type="vespo", num_items=2)
+        loss, m = grpo_loss(logps, old, None, torch.tensor([A]), mask, settings, num_items=2)
         assert loss.item() == pytest.approx(-phi * A * (-3.0) / 2)
         assert m["vespo_phi_mean"] == pytest.approx(phi)
 
-    loss, m = call_grpo_loss(logps, None, None, torch.tensor([-1.0]), mask,
-                             loss_type="vespo", num_items=2)
+    loss, m = grpo_loss(logps, None, None, torch.tensor([-1.0]), mask, settings, num_items=2)
     assert m["vespo_phi_mean"] == 1.0
     loss.backward()
     torch.testing.assert_close(logps.grad, torch.tensor([[0.5, 0.5, 0.0]]))
@@ -295,12 +299,13 @@ def test_delta_caps_only_negative_advantages():
     A = torch.tensor([1.0, -1.0, -1.0, -1.0])
     kw = dict(loss_type="bnpo", epsilon_high=0.2)
 
-    loss, _ = call_grpo_loss(logps, old, None, A, torch.ones(4, 1), delta=1.5, **kw)
+    loss, _ = grpo_loss(logps, old, None, A, torch.ones(4, 1),
+                        LossSettings(delta=1.5, **kw))
     assert loss.item() == pytest.approx((-1.2 + 1.3 + 1.5 + 0.8) / 4)
     loss.backward()
     torch.testing.assert_close(logps.grad, torch.tensor([[0.0], [1.3 / 4], [0.0], [0.0]]))
 
-    plain, _ = call_grpo_loss(logps.detach(), old, None, A, torch.ones(4, 1), **kw)
+    plain, _ = grpo_loss(logps.detach(), old, None, A, torch.ones(4, 1), LossSettings(**kw))
     assert plain.item() == pytest.approx((-1.2 + 1.3 + 2.0 + 0.8) / 4)
 
 
@@ -360,21 +365,21 @@ def test_each_row_is_accepted_with_what_it_needs():
     check_flags(parse(["--loss-type", "dr_grpo", "--delta", "1.21"]))
 
 
-@pytest.mark.parametrize("fields, match", [
-    (dict(loss_type="luspo"), "importance_sampling_level='sequence'"),
-    (dict(loss_type="vespo", importance_sampling_level="sequence"),
-     "importance_sampling_level='token'"),
-    (dict(loss_type="vespo", is_correction="sequence_truncate"), "token_\\* is_correction"),
-    (dict(loss_type="vespo", impl="triton"), "impl='torch'"),
-    (dict(loss_type="vespo", vespo_lambda_neg=0.0), "vespo's k and lambda must be > 0"),
-    (dict(loss_type="sapo", delta=4.0), "loss_type='sapo' has no clip"),
-    (dict(loss_type="cispo", epsilon_high=5.0, delta=4.0), "loss_type='cispo' has no clip"),
-    (dict(loss_type="vespo", delta=4.0), "loss_type='vespo' has no clip"),
-    (dict(delta=1.2), "must be > 1 \\+ epsilon_high = 1.2"),
+@pytest.mark.parametrize("fields, name", [
+    (dict(loss_type="luspo"), "luspo at token level"),
+    (dict(loss_type="vespo", importance_sampling_level="sequence"), "vespo at sequence level"),
+    (dict(loss_type="vespo", is_correction="sequence_mask"), "vespo with sequence IS"),
+    (dict(loss_type="vespo", impl="triton"), "vespo on the kernel"),
+    (dict(delta=1.2, epsilon_high=0.28), "delta inside the clip"),
 ])
-def test_loss_settings_refuse_them_too(fields, match):
-    with pytest.raises(ValueError, match=match):
-        LossSettings(**fields)
+def test_loss_settings_of_a_caller_are_refused_in_the_same_line(fields, name):
+    """A caller that builds LossSettings itself runs the same rules
+    (loss.check_settings): the line check_flags prints."""
+    _, expected = RULE_CASES[name]
+    with pytest.raises(ValueError) as e:
+        check_settings(LossSettings(**fields))
+
+    assert expected in str(e.value), e.value
 
 
 # -----------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""model.completion_logits shares each prompt's forward among its completions.
+"""fast.update.completion_logits shares each prompt's forward among its completions.
 
 With prefix sharing, the logits and the gradients must be those of the plain
 forward over whole (prompt + completion) sequences, whatever the prompt lengths
@@ -10,10 +10,11 @@ import copy
 import pytest
 import torch
 
-import model as model_module
-from model import (RMS_NORMS, RMSNormFunction, completion_logits, completion_logps,
-                   fusable_head, prompt_batch, recompute_layers, rms_norms_by_hand,
-                   selective_log_softmax, sequence_batch, sequence_logps)
+import fast.update
+from fast.update import (RMS_NORMS, RMSNormFunction, completion_logits, completion_logps,
+                         fusable_head, rms_norms_by_hand, selective_log_softmax)
+from helpers import fast_forward
+from model import Forward, prompt_batch, recompute_layers, sequence_batch, sequence_logps
 
 
 def whole_sequence_logits(model, prompt_ids, completion_ids):
@@ -76,7 +77,9 @@ def test_logits_and_gradients_match_whole_sequences(tiny, micro, lengths):
         torch.testing.assert_close(p.grad, want[k], atol=1e-4, rtol=1e-4, msg=k)
 
 
-def test_sequence_logps_bf16_matches_whole_sequences(tiny):
+# the prefix shared (fast/update.py), and model.py's plain forward
+@pytest.mark.parametrize("forward", [fast_forward(), Forward()], ids=["fast", "plain"])
+def test_sequence_logps_bf16_matches_whole_sequences(tiny, forward):
     _, model, _, _ = tiny
     prompt_ids, completion_ids = rollout_like()
 
@@ -84,7 +87,8 @@ def test_sequence_logps_bf16_matches_whole_sequences(tiny):
         logits = whole_sequence_logits(model, prompt_ids, completion_ids)
         want = selective_log_softmax(logits, completion_ids, 1.0)
     prompts = prompt_batch(prompt_ids, 0)
-    got = sequence_logps(model, prompts, completion_ids, 1.0, micro=5, dtype=torch.bfloat16)
+    got = sequence_logps(forward, model, prompts, completion_ids, 1.0, micro=5,
+                         dtype=torch.bfloat16)
 
     assert got.shape == completion_ids.shape
     # bf16 rounding differs with the batch shape
@@ -113,7 +117,7 @@ def test_recomputed_layers_give_the_same_logits_and_gradients(tiny, micro, lengt
     mode, as train.py runs the policy (transformers' own switch acts only in
     train mode: the flag once did nothing there). transformers' RMSNorms on both
     sides (recompute turns rms_norms_by_hand off; it has its own test)."""
-    monkeypatch.setattr(model_module, "RMS_NORMS", ())
+    monkeypatch.setattr(fast.update, "RMS_NORMS", ())
     _, model, _, _ = tiny
     model = copy.deepcopy(model).eval()
     recomputed = copy.deepcopy(model)
@@ -179,7 +183,7 @@ def test_sliding_window_layers_share_the_prefix_and_refuse_recompute():
 
 
 def test_prefix_gradients_reach_grad_apart(tiny):
-    """The prefix's backward runs apart from the completions' (model.backward_apart):
+    """The prefix's backward runs apart from the completions' (fast.update.backward_apart):
     each weight's .grad is added to twice, once per forward, instead of autograd
     holding the first gradient until the second arrives (a second copy of every
     gradient at the backward's peak). The sum is the whole sequences' gradient."""
@@ -212,7 +216,7 @@ def test_prefix_gradients_reach_grad_apart(tiny):
 
 def test_a_tied_head_gradient_reaches_grad_at_once(tiny):
     """The tied LM head's gradient is added to .grad as soon as it is computed
-    (model.tied_head_apart), so it is there before any embedding backward runs:
+    (fast.update.tied_head_apart), so it is there before any embedding backward runs:
     in one graph autograd would hold it in a buffer to the end. The sum is the
     whole sequences' gradient."""
     _, model, _, _ = tiny
@@ -252,17 +256,15 @@ def test_the_prefix_graph_is_freed_after_its_backward(tiny, monkeypatch):
     import gc
     import weakref
 
-    import model as model_module
-
     # the prefix's keys, as backward_apart gets them (its closure keeps them)
     keys = []
-    backward_apart = model_module.backward_apart
+    backward_apart = fast.update.backward_apart
 
     def spy(layers):
         keys.extend(weakref.ref(layer.keys) for layer in layers)
         backward_apart(layers)
 
-    monkeypatch.setattr(model_module, "backward_apart", spy)
+    monkeypatch.setattr(fast.update, "backward_apart", spy)
     _, model, _, _ = tiny
     prompt_ids, completion_ids = rollout_like()
 
@@ -279,7 +281,7 @@ def test_the_prefix_graph_is_freed_after_its_backward(tiny, monkeypatch):
 # all, through groups, one completion; the layers recomputed in the backward
 @pytest.mark.parametrize("micro, recompute", [(12, False), (5, False), (1, False), (5, True)])
 def test_fused_head_log_probs_and_gradients_match_the_logits(tiny, micro, recompute):
-    """model.completion_logps (the LM head and the log-prob fused, the tied
+    """fast.update.completion_logps (the LM head and the log-prob fused, the tied
     head's gradient added to .grad in place, the MLPs and attention projections
     on the real tokens only)
     gives the log-probs and the gradients of selective_log_softmax over
@@ -363,7 +365,7 @@ def test_rms_norm_by_hand_is_transformers_forward_with_its_gradients(tiny):
         assert all("forward" in vars(m) for m in norms)
     plain = copy.deepcopy(model)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(model_module, "RMS_NORMS", ())
+        patch.setattr(fast.update, "RMS_NORMS", ())
         want_grads = grads(plain)
     got_grads = grads(by_hand)
     for k, w in want_grads.items():

@@ -63,10 +63,14 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def policy(smollm2):
-    """The checkpoint as train.py's policy: fp32 weights."""
+    """The checkpoint as train.py's policy: fp32 weights, the CPU's grouped-KV
+    attention (fast.install)."""
+    from fast.attention import register_gqa_attention
     from model import load_model
 
-    return load_model(smollm2[0], torch.float32, torch.device("cpu"))
+    policy = load_model(smollm2[0], torch.float32, torch.device("cpu"))
+    policy.set_attn_implementation(register_gqa_attention())
+    return policy
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +134,8 @@ def test_train_two_steps(train_run, engine):
 
     out, output, records = train_run(engine)
 
-    name = {"hf": "HFEngine", "vllm": "VLLMEngine"}[engine]
+    # --fast auto (the default) runs the HF engine's fast loop (fast/decode.py)
+    name = {"hf": "FastHFEngine", "vllm": "VLLMEngine"}[engine]
     assert f"engine {name}" in output, output[-2000:]
     assert [r["step"] for r in records] == [0, 1, 2]
     for r in records[1:]:
@@ -170,11 +175,12 @@ def test_prompts_use_the_models_template_and_our_system_prompt(smollm2):
     assert plain.count(bos) == 3 and plain[1] != bos
 
 
-@pytest.mark.parametrize("kind", ["hf", "vllm"])
+@pytest.mark.parametrize("kind", ["hf", "fast_hf", "vllm"])
 def test_completions_stop_at_end_of_turn(request, smollm2, policy, prompt_ids, kind):
     """Greedy completions end at <|im_end|>: the id each engine stops at is the
     tokenizer's and the generation config's EOS, not <|endoftext|> (id 0) or a
-    constant."""
+    constant. The HF engine's plain loop and its fast one (fast/decode.py)."""
+    from fast.decode import FastHFEngine
     from rollout import HFEngine
 
     path, tokenizer = smollm2
@@ -182,8 +188,8 @@ def test_completions_stop_at_end_of_turn(request, smollm2, policy, prompt_ids, k
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") == eos == IM_END_ID
     assert policy.generation_config.eos_token_id == eos
 
-    if kind == "hf":
-        engine = HFEngine(policy, tokenizer)
+    if kind in ("hf", "fast_hf"):
+        engine = {"hf": HFEngine, "fast_hf": FastHFEngine}[kind](policy, tokenizer)
         assert engine.eos_ids == [eos]
     else:
         engine = request.getfixturevalue("vllm_engine")

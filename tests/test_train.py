@@ -194,8 +194,8 @@ def test_logged_loss_is_the_minibatch_loss_whatever_the_micro_batch(loss_type, t
 ])
 def test_auto_micro_batch(minibatch, tokens, vocab, device, want):
     """--micro-batch-size 0: the minibatch, cut on the CPU to its largest
-    divisor whose logits fit in MICRO_BATCH_LOGITS numbers."""
-    from model import auto_micro_batch
+    divisor whose logits fit in MICRO_BATCH_LOGITS numbers (fast/memory.py)."""
+    from fast.memory import auto_micro_batch
 
     micro = auto_micro_batch(minibatch, tokens, vocab, torch.device(device))
     assert micro == want
@@ -223,7 +223,7 @@ def test_identical_completions_train_as_one_weighed_row(tmp_path):
 
 def test_the_fused_head_trains_as_the_logits_do(tmp_path):
     """Without an entropy bonus, the CPU's update takes its log-probs from the
-    fused LM head (model.completion_logps, 0 at padding); a top-k of the whole
+    fused LM head (fast.update.completion_logps, 0 at padding); a top-k of the whole
     vocabulary filters nothing and takes the logits path. Off-policy (two
     minibatches: old log-probs, the ratio at padded tokens) and with a
     reference: the same rewards, losses, KL and gradient norms."""
@@ -236,8 +236,10 @@ def test_the_fused_head_trains_as_the_logits_do(tmp_path):
     top_k = ["--top-k", str(len(build_tokenizer()))]
     _, logits_output, logits = run_train(args + top_k, tmp_path / "logits")
 
-    assert "the LM head fused" in fused_output
-    assert "the LM head fused" not in logits_output
+    # fast.install's line: "fast ..., the update's forward, its LM head fused, ..."
+    assert "its LM head fused" in fused_output
+    assert "the update's forward" in logits_output
+    assert "LM head fused" not in logits_output
     assert fused[1]["len_mean"] < 4  # some completions end early: padding
     for a, b in zip(fused[1:], logits[1:], strict=True):
         assert a["reward_mean"] == b["reward_mean"]

@@ -15,10 +15,11 @@ import torch
 import config
 from batch import policy_entropies
 from config import check_flags
-from helpers import run_train, train_parser
+from fast.decode import FastHFEngine
+from helpers import fast_forward, run_train, train_parser
 from loss_calls import call_policy_loss
-from model import (FILTERED, completion_logits, entropy_from_logits, kept_tokens, prompt_batch,
-                   selective_log_softmax, sequence_logps, truncate_logits)
+from model import (FILTERED, Forward, completion_logits, entropy_from_logits, kept_tokens,
+                   prompt_batch, selective_log_softmax, sequence_logps, truncate_logits)
 from rollout import HFEngine, VLLMEngine
 
 # one worker builds this module's vLLM engine once (--dist loadgroup)
@@ -121,7 +122,9 @@ def test_filtered_logits_give_finite_entropies():
     assert (entropies < entropy_from_logits(logits, 0.5) - 1e-3).all()
 
 
-def test_the_high_entropy_mask_ranks_by_the_truncated_entropy(tiny):
+# model.py's forward, and fast.install's (fast/update.py)
+@pytest.mark.parametrize("forward", [Forward(), fast_forward()], ids=["plain", "fast"])
+def test_the_high_entropy_mask_ranks_by_the_truncated_entropy(tiny, forward):
     """batch.policy_entropies replays the filters as the loss does: with top-k 2
     no entropy exceeds ln 2, and each is the truncated logits' entropy."""
     _, model, tokenizer, prompts = tiny
@@ -131,8 +134,8 @@ def test_the_high_entropy_mask_ranks_by_the_truncated_entropy(tiny):
     ids = r.completion_ids  # (N, T)
     by_micro = dict(temperature=1.0, micro=ids.shape[0], dtype=torch.float32)
 
-    truncated = policy_entropies(model, batch, ids, **by_micro, top_k=2)  # (N, T)
-    full = policy_entropies(model, batch, ids, **by_micro)  # (N, T)
+    truncated = policy_entropies(forward, model, batch, ids, **by_micro, top_k=2)  # (N, T)
+    full = policy_entropies(forward, model, batch, ids, **by_micro)  # (N, T)
     logits = completion_logits(model, batch, slice(0, ids.shape[0]), ids)
     expected = entropy_from_logits(truncate_logits(logits, ids, 1.0, top_k=2), 1.0)
 
@@ -160,11 +163,12 @@ def vllm_engine(tiny):
     return VLLMEngine(tiny[0], seed=0, max_model_len=64, kv_cache_memory_bytes=16 << 20)
 
 
-@pytest.mark.parametrize("kind", ["vllm", "hf"])
+@pytest.mark.parametrize("kind", ["vllm", "hf", "fast"])
 @pytest.mark.parametrize("knob", list(KNOBS))
 def test_is_ratio_is_one_on_an_unchanged_policy(tiny, request, kind, knob):
     """mean exp(trainer - sampler) over the sampled tokens is 1 with the filter
-    replayed (model.sequence_logps), on both engines.
+    replayed (model.sequence_logps), on both engines, and on the HF engine's
+    fast loop with fast.install's forward (fast/).
 
     Without it (the full-vocabulary log-prob) the mean is the kept mass: below
     0.95 for each knob here.
@@ -174,13 +178,16 @@ def test_is_ratio_is_one_on_an_unchanged_policy(tiny, request, kind, knob):
     if kind == "vllm":
         engine = request.getfixturevalue("vllm_engine")
         engine.sync_weights(model)
-    else:
+    elif kind == "hf":
         engine = HFEngine(model, tokenizer, seed=0)
+    else:
+        engine = FastHFEngine(model, tokenizer, seed=0)
+    forward = fast_forward() if kind == "fast" else Forward()
 
     r = engine.generate(prompts, G, MAX_NEW, temperature=1.0, **filters)
     batch = prompt_batch(r.prompt_ids, engine.pad_id)
     mask = r.completion_mask.bool()  # (N, T)
-    args = (model, batch, r.completion_ids, 1.0, len(r.prompt_ids))
+    args = (forward, model, batch, r.completion_ids, 1.0, len(r.prompt_ids))
     trainer = sequence_logps(*args, **filters)  # (N, T)
     full = sequence_logps(*args)  # (N, T)
 
