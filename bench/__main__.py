@@ -28,6 +28,7 @@ MODES = {
     "_trl_learn": ("learn", "trl_learn"),
     "tools_run": ("tools_run", "bench_tools_run"),
     "game_run": ("game_run", "bench_game_run"),
+    "sameness": ("sameness", "bench_sameness"),
     # one setting of `memory`, in the subprocess it starts
     "_memory_step": ("memory", "memory_step"),
 }
@@ -39,7 +40,8 @@ def parse_args():
     add = parser.add_argument
 
     add("mode", choices=list(MODES))
-    add("out_dirs", nargs="*", help="runs: train.py out-dirs")
+    add("out_dirs", nargs="*", help="runs: train.py out-dirs; sameness: run TREE "
+        "OUTROOT, or compare BASEROOT NEWROOT")
     add("--tiny", action="store_true",
         help="small shapes, CPU-runnable (checks the script itself)")
     add("--repeats", type=int, default=None,
@@ -85,6 +87,13 @@ def parse_args():
     add("--no-trl", action="store_true", help="learn: train.py's runs only")
     add("--plot", default=None,
         help="learn: the PNG written (default: in its work folder)")
+
+    # sameness mode
+    add("--only", nargs="+", default=None, metavar="NAME",
+        help="sameness run: these runs only (default: all of bench/sameness.py's RUNS)")
+    add("--extra", default=None, metavar="FLAGS",
+        help="sameness run: flags appended to every train.py run, one string "
+        '(--extra="--fast auto")')
 
     # _trl_real, _trl_learn: its checkpoint and data; _trl_learn: its seed and
     # training seconds
