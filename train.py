@@ -74,14 +74,14 @@ import data
 import task
 from advantage import compute_advantages, dynamic_sampling
 from batch import UpdateBatch, high_entropy_mask, policy_entropies, unique_rows
-from common import (barrier, collective_device, ddp, fail, in_background, mark, master,
+from common import (barrier, ddp, fail, in_background, mark, master,
                     print0, rank, require, result_everywhere, seed_all, setup, startup_line,
                     step_line, world)
 from loss import LossSettings, choose_impl, policy_loss
-from metrics import step_metrics, token_stats
+from metrics import step_metrics
 from model import (Forward, load_model, load_reference, load_tokenizer, pad_id, prompt_batch,
                    sequence_logps, truncate_logits, wrap_ddp)
-from reduction import kept_mask, minibatch_tokens, row_weights
+from reduction import kept_mask, minibatch_tokens
 from reward import (
     final_number_reward,
     get_reward_funcs,
@@ -291,6 +291,8 @@ moving_reference = ref_model if args.sync_ref_every else None
 # optimizer step (none yet: inf, no bonus until one is measured, as TRL)
 entropy_coef = args.entropy_coef
 last_entropy = math.inf
+if args.adaptive_entropy:
+    import adaptive_entropy
 if resume_from:  # RNG states last: the engine's start-up reseeds torch
     start_step, opt_step, consumed, ahead = checkpoint.restore(
         resume_from, saved, raw_model, optimizer, engine, device, moving_reference)
@@ -405,46 +407,6 @@ def cosine_lr(it, total, lr, warmup):
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def applied_entropy_coef(coef, last_entropy, target):
-    """--adaptive-entropy (Skywork-OR1, arXiv 2505.22312; TRL 1.16's rule):
-    the bonus's coefficient during an optimizer step.
-
-    coef is the controller's after the previous optimizer step, last_entropy
-    what that step measured (inf before the first: no bonus yet):
-        c = coef if H_last <= target else 0
-    """
-    if last_entropy <= target:
-        return coef
-    return 0.0
-
-
-def next_entropy_coef(coef, entropy, target, delta, low, high):
-    """The controller's coefficient after an optimizer step that measured `entropy`.
-
-        coef <- min(coef + delta, high)   if H <= target (collapsing: push harder)
-        coef <- max(coef - delta, low)    otherwise
-    TRL's: one bound a branch, a clamp to [low, high] since coef starts inside
-    (config.check_flags).
-    """
-    if entropy <= target:
-        return min(coef + delta, high)
-    return max(coef - delta, low)
-
-
-def window_entropy(sums):
-    """[(sum of H, tokens)] of this rank's micro-batches of one optimizer step ->
-    the token mean over all of them and all ranks. A collective under DDP.
-
-    As TRL's controller: sums and counts are reduced together, so ranks of
-    different lengths weigh by their tokens.
-    """
-    totals = torch.tensor(sums, dtype=torch.float64).sum(0)  # (2,)
-    if ddp:
-        totals = totals.to(collective_device())
-        dist.all_reduce(totals)
-    return (totals[0] / totals[1].clamp(min=1.0)).item()
-
-
 def prepare_update(rollout, prompts, advantages):
     """-> (UpdateBatch: the step's N rows on the device, as the loss sees them;
     (n,) the rows to train).
@@ -551,13 +513,7 @@ def backward_micro(batch, prompts, rows, minibatch_tokens, last, settings):
     if args.adaptive_entropy:
         with torch.no_grad():
             entropies = forward.entropies(logits, args.temperature)  # (n, T)
-        counted = micro_batch.completion_mask * row_weights(micro_batch.counts)  # (n, T)
-        metrics["entropy"] = token_stats(counted, {"entropy": entropies})["entropy"]
-        # TRL's controller: over the tokens the policy loss trains on
-        tokens = kept_mask(counted, micro_batch.truncated)  # (n, T)
-        if micro_batch.high_entropy is not None:
-            tokens = tokens * micro_batch.high_entropy  # (n, T)
-        measured = ((entropies * tokens).sum().item(), tokens.sum().item())
+        measured, metrics["entropy"] = adaptive_entropy.measure(entropies, micro_batch)
 
     # the logits (n, T, V) live on only in the loss's graph, which frees them
     # once their gradient is computed, not after the whole backward
@@ -687,7 +643,8 @@ for step in bar:
             # --adaptive-entropy: the coefficient as the last optimizer step left it
             settings = loss_settings
             if args.adaptive_entropy:
-                coef = applied_entropy_coef(entropy_coef, last_entropy, args.entropy_target)
+                coef = adaptive_entropy.applied_coef(entropy_coef, last_entropy,
+                                                     args.entropy_target)
                 settings = dataclasses.replace(loss_settings, entropy_coef=coef)
             # all ranks' unmasked tokens / ranks: DDP averages the gradients
             mb_rows = batch.rows(slice(mb, mb + minibatch))
@@ -705,10 +662,12 @@ for step in bar:
             opt_step += 1
             # Skywork-OR1's controller: the next optimizer step's coefficient
             if args.adaptive_entropy:
-                last_entropy = window_entropy(measured)
-                entropy_coef = next_entropy_coef(entropy_coef, last_entropy,
-                                                 args.entropy_target, args.entropy_coef_delta,
-                                                 args.entropy_coef_min, args.entropy_coef_max)
+                last_entropy = adaptive_entropy.window_entropy(measured)
+                entropy_coef = adaptive_entropy.next_coef(entropy_coef, last_entropy,
+                                                          args.entropy_target,
+                                                          args.entropy_coef_delta,
+                                                          args.entropy_coef_min,
+                                                          args.entropy_coef_max)
             # TR-DPO: after every N-th optimizer step (TRL's on_step_end); the
             # reference log-probs of this step's batch are already computed
             if args.sync_ref_every and opt_step % args.sync_ref_every == 0:

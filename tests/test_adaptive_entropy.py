@@ -1,41 +1,23 @@
-"""--adaptive-entropy (Skywork-OR1, arXiv 2505.22312; TRL 1.16's rule) from
-train.py's side.
+"""--adaptive-entropy (Skywork-OR1, arXiv 2505.22312; TRL 1.16's rule).
 
-The rule (train.py's applied_entropy_coef and next_entropy_coef, compiled from
-its source: train.py runs when imported) against a plain loop written from TRL's
-_compute_loss; the flags' rules (in-process, config.py); and runs: with the gate
-always shut the run is bit-identical to one with no bonus, and the coefficient
-moves by --entropy-coef-delta each step within its bounds. The kill-and-resume
+The rule (adaptive_entropy.applied_coef and next_coef) against a plain loop
+written from TRL's _compute_loss; the flags' rules (in-process, config.py); and
+runs: with the gate always shut the run is bit-identical to one with no bonus,
+and the coefficient moves by --entropy-coef-delta each step within its bounds. The kill-and-resume
 test: tests/test_resume.py.
 """
-import ast
 import math
-import os
 
 import pytest
 
+from adaptive_entropy import applied_coef as applied_entropy_coef
+from adaptive_entropy import next_coef as next_entropy_coef
 from config import check_flags
-from helpers import ROOT, refused, run_train, without_timings
+from helpers import refused, run_train, without_timings
 from helpers import parse_flags as parse
 
 FAST = ["--engine", "hf", "--steps", "3", "--eval-size", "8", "--eval-every", "0",
         "--prompts-per-step", "4"]
-
-
-def train_functions(*names):
-    """The named top-level functions of train.py, compiled alone."""
-    with open(os.path.join(ROOT, "train.py")) as f:
-        tree = ast.parse(f.read())
-    nodes = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
-    assert sorted(n.name for n in nodes) == sorted(names)
-
-    namespace = {"math": math}
-    exec(compile(ast.Module(body=nodes, type_ignores=[]), "train.py", "exec"), namespace)
-    return [namespace[name] for name in names]
-
-
-applied_entropy_coef, next_entropy_coef = train_functions("applied_entropy_coef",
-                                                          "next_entropy_coef")
 
 
 def trl_controller(coef, entropies, target, delta, low, high):

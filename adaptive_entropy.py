@@ -1,0 +1,65 @@
+"""--adaptive-entropy (Skywork-OR1, arXiv 2505.22312; TRL 1.16's rule): the
+entropy bonus's coefficient, steered by the policy's entropy.
+
+    during an optimizer step:  c_applied = c if H_last <= target else 0
+    after it, measuring H:     c <- min(c + delta, high)   if H <= target (collapsing: push harder)
+                               c <- max(c - delta, low)    otherwise
+
+H is the token mean of the policy's entropy over the tokens the policy loss
+trains on, over the optimizer step's micro-batches and every rank. Before the
+first step H_last is inf: no bonus until one is measured, as in TRL. train.py
+imports this file only with the flag; its state (c, H_last) is checkpointed.
+
+Tests: python -m pytest -q tests/test_adaptive_entropy.py
+"""
+import torch
+import torch.distributed as dist
+
+from common import collective_device, ddp
+from metrics import token_stats
+from reduction import kept_mask, row_weights
+
+
+def applied_coef(coef, last_entropy, target):
+    """The bonus's coefficient during an optimizer step: coef, the controller's
+    after the previous step, while that step's entropy was at most target."""
+    if last_entropy <= target:
+        return coef
+    return 0.0
+
+
+def next_coef(coef, entropy, target, delta, low, high):
+    """The controller's coefficient after an optimizer step that measured
+    `entropy`. TRL's: one bound a branch, a clamp to [low, high] since coef
+    starts inside (config.check_flags)."""
+    if entropy <= target:
+        return min(coef + delta, high)
+    return max(coef - delta, low)
+
+
+def measure(entropies, micro_batch):
+    """A micro-batch's entropies (n, T) -> ((their sum, their tokens) over the
+    tokens the policy loss trains on, the logged token mean over all of its
+    tokens)."""
+    counted = micro_batch.completion_mask * row_weights(micro_batch.counts)  # (n, T)
+    logged = token_stats(counted, {"entropy": entropies})["entropy"]
+
+    # TRL's controller: over the tokens the policy loss trains on
+    tokens = kept_mask(counted, micro_batch.truncated)  # (n, T)
+    if micro_batch.high_entropy is not None:
+        tokens = tokens * micro_batch.high_entropy  # (n, T)
+    return ((entropies * tokens).sum().item(), tokens.sum().item()), logged
+
+
+def window_entropy(sums):
+    """[(sum of H, tokens)] of this rank's micro-batches of one optimizer step ->
+    the token mean over all of them and all ranks. A collective under DDP.
+
+    As TRL's controller: sums and counts are reduced together, so ranks of
+    different lengths weigh by their tokens.
+    """
+    totals = torch.tensor(sums, dtype=torch.float64).sum(0)  # (2,)
+    if ddp:
+        totals = totals.to(collective_device())
+        dist.all_reduce(totals)
+    return (totals[0] / totals[1].clamp(min=1.0)).item()
