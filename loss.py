@@ -391,8 +391,8 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, settings, *, entrop
     # 1) the ratio: per token, or one per sequence (GSPO, eq. 7)
     mask = mask.to(logps.dtype)  # (B, T)
     old = logps.detach() if old_logps is None else old_logps  # (B, T)
-    # 0 at masked tokens: there the fused head's log-probs are 0 (model.completion_logps)
-    # and exp(0 - old) could overflow
+    # 0 at masked tokens: there the fused head's log-probs are 0
+    # (fast/update.py's completion_logps) and exp(0 - old) could overflow
     log_ratio = (logps - old) * mask  # (B, T)
     if s.importance_sampling_level == "sequence":
         seq_log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # (B,)
@@ -569,7 +569,7 @@ def policy_loss(logits, batch, settings, *, minibatch_size, minibatch_tokens, lo
     only for the bonus (entropy_coef != 0; given, they are logged either way).
     logits may be None where the loss needs nothing else: the torch path given
     logps, and entropies for a bonus (train.py's fused LM head on the CPU,
-    model.completion_logps). minibatch_size: the minibatch's
+    fast/update.py's completion_logps). minibatch_size: the minibatch's
     sequences on this rank; minibatch_tokens: minibatch_tokens(its mask,
     truncated). The loss is for .backward(); the metrics are floats named the
     same whichever path ran: _stats's, each knob's (policy_weight), "loss" (this

@@ -22,9 +22,10 @@ Simplifications:
 4. Both engines filter in vLLM 0.32's order: the repetition penalty (on the
    prompt's and completion's tokens), the temperature, min-p, top-k, then top-p
    over what is left. Greedy applies the penalty only.
-5. HFEngine is gpt-fast's decode loop, a prompt's forward shared by its G
-   completions (on the CPU its keys and values too: model.SharedPrefix).
-   Rows that end leave the batch. No paging.
+5. HFEngine is gpt-fast's decode loop, plainly: each completion prefills its
+   own copy of the prompt, transformers' cache grows a token a step, and every
+   row steps until the last one ends. No paging. --fast (the default) swaps in
+   fast/decode.py's loop: the same completions for the same uniforms, faster.
 6. VLLMEngine.close() tears down vLLM's global state and the default process
    group: close it last.
 7. On CPU, VLLMEngine sizes the KV cache to the work: max_rows sequences of
@@ -504,6 +505,18 @@ def full_named_parameters(model, counter, dtype=None):
         yield name, tensor
 
 
+def as_lists(tokens, logps, lengths, done):
+    """A decode loop's steps -> (completions, their log-probs, finished), lists
+    of N: tokens and logps a (N,) tensor a step, lengths (N,) each row's tokens
+    up to its first EOS, done (N,) whether it ended on one."""
+    lengths = lengths.tolist()
+    tokens = torch.stack(tokens, 1).cpu()  # (N, steps)
+    logps = torch.stack(logps, 1).float().cpu()  # (N, steps)
+    completions = [x[:k].tolist() for x, k in zip(tokens, lengths)]
+    logps = [x[:k].tolist() for x, k in zip(logps, lengths)]
+    return completions, logps, done.tolist()
+
+
 def most_on_any_rank(value, device):
     """The largest of an int across the ranks (FSDP2 ranks may ask for
     different max_new_tokens, and all decode until the last one ends)."""
@@ -591,12 +604,7 @@ class HFEngine(Engine):
                                use_cache=True).logits[:, -1]  # (N, V)
         model.train(was_training)
 
-        lengths = lengths.tolist()
-        tokens = torch.stack(tokens, 1).cpu()  # (N, steps)
-        logps = torch.stack(logps, 1).float().cpu()  # (N, steps)
-        completions = [x[:k].tolist() for x, k in zip(tokens, lengths)]
-        logps = [x[:k].tolist() for x, k in zip(logps, lengths)]
-        return completions, logps, done.tolist()
+        return as_lists(tokens, logps, lengths, done)
 
     def sync_weights(self, model):
         # it samples with the trainer's own parameters

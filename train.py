@@ -267,7 +267,7 @@ else:
 
 
 # --fast (the default, auto): the speed machinery of fast/, installed once
-fast_note = "off: the plain path"
+fast_note = "the plain path"
 if args.fast != "off":
     import fast
 
@@ -312,7 +312,7 @@ print0(f"engine {type(engine).__name__} ({engine_why}), {world} rank(s) x "
        f"{torch.get_num_threads()} thread(s), device {device}, "
        f"loss {loss_impl} ({loss_why}), {n_params:.2f}M params "
        f"({n_trained:.3g}M trained), {len(train_rows)} train prompts")
-print0(f"fast {fast_note}")
+print0(f"--fast {args.fast}: {fast_note}")
 # vLLM on CPU: the KV cache sized to the work (rollout.py, simplification 7)
 inner = getattr(engine, "engine", engine)
 kv_bytes = getattr(inner, "kv_cache_bytes", None)

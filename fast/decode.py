@@ -28,7 +28,7 @@ from fast import forwards_replaced
 from fast.attention import GQA_ATTENTION, SharedPrefix
 from fast.lora import merged_adapters
 from model import sequence_batch
-from rollout import HFEngine, most_on_any_rank, process_logits
+from rollout import HFEngine, as_lists, most_on_any_rank, process_logits
 
 
 class FastHFEngine(HFEngine):
@@ -149,12 +149,7 @@ class FastHFEngine(HFEngine):
                                    use_cache=True, **extra).logits[:, -1]  # (A, V)
         model.train(was_training)
 
-        lengths = lengths.tolist()
-        tokens = torch.stack(tokens, 1).cpu()  # (N, steps)
-        logps = torch.stack(logps, 1).float().cpu()  # (N, steps)
-        completions = [x[:k].tolist() for x, k in zip(tokens, lengths)]
-        logps = [x[:k].tolist() for x, k in zip(logps, lengths)]
-        return completions, logps, done.tolist()
+        return as_lists(tokens, logps, lengths, done)
 
 
 # tokens per block of draw_tokens' two-level CDF

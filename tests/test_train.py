@@ -236,7 +236,7 @@ def test_the_fused_head_trains_as_the_logits_do(tmp_path):
     top_k = ["--top-k", str(len(build_tokenizer()))]
     _, logits_output, logits = run_train(args + top_k, tmp_path / "logits")
 
-    # fast.install's line: "fast ..., the update's forward, its LM head fused, ..."
+    # fast.install's line: "--fast auto: ..., the update's forward, its LM head fused, ..."
     assert "its LM head fused" in fused_output
     assert "the update's forward" in logits_output
     assert "LM head fused" not in logits_output
