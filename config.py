@@ -19,6 +19,7 @@ rules in milliseconds (tests/test_cli.py).
 import argparse
 import math
 import os
+import sys
 
 from common import fail, world
 
@@ -292,10 +293,87 @@ add("--fast", default="auto", choices=["auto", "on", "off"],
     help="the speed machinery in fast/, installed once at load (fast.install): auto "
          "turns on what is measured to help on this device, on all of it where it "
          "applies, off the plain reference path")
+add("--config", default=None, metavar="FILE.yaml",
+    help="a recipe file (recipes/): these flags by name, dashes or underscores; the "
+         "command line's flags override it")
 
 
 def parse_args(argv=None):
+    """The flags: a --config file's, then the command line's over them."""
+    if argv is None:
+        argv = sys.argv[1:]
+    argv = list(argv)
+
+    # the file's flags go first as words: the parser checks them as it checks
+    # the command line's, and a later flag wins
+    find = argparse.ArgumentParser(add_help=False)
+    find.add_argument("--config")
+    find.error = fail
+    given, _ = find.parse_known_args(argv)
+    if given.config:
+        words = recipe_words(given.config)
+        # its values checked alone first, so that an error names the file
+        parser.error = lambda message: fail(f"--config {given.config}: {message}")
+        try:
+            parser.parse_args(words)
+        finally:
+            parser.error = fail
+        argv = words + argv
     return parser.parse_args(argv)
+
+
+def recipe_words(path):
+    """A recipe file's flags as command-line words. Each key is a flag, dashes
+    or underscores (G: --G); a list is a flag's values; a switch is true or
+    false; null leaves a flag at its default; a value starting with ~/ is in
+    the home folder, as a shell would read it. Bad input stops the run in one
+    line: a file that is not there or not YAML, an unknown flag, a wrong type."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            fields = yaml.safe_load(f)
+    except OSError as e:
+        fail(f"--config {path}: cannot read it ({e.strerror})")
+    except yaml.YAMLError as e:
+        first_line = str(e).strip().splitlines()[0]
+        fail(f"--config {path}: not a YAML file ({first_line})")
+    if fields is None:
+        fields = {}
+    if not isinstance(fields, dict):
+        fail(f"--config {path}: a recipe maps flag names to values, "
+             f"got a {type(fields).__name__}")
+
+    options = {s: a for a in parser._actions for s in a.option_strings}
+    words = []
+    for key, value in fields.items():
+        flag = "--" + str(key).replace("_", "-")
+        action = options.get(flag)
+        if action is None or flag in ("--config", "--help"):
+            fail(f"--config {path}: unknown field {key!r}: not a flag of train.py "
+                 f"(python train.py --help)")
+        if value is None:
+            continue
+
+        # a switch: on, or left off
+        if action.nargs == 0:
+            if not isinstance(value, bool):
+                fail(f"--config {path}: {key} is a switch: true or false, got {value!r}")
+            if value:
+                words.append(flag)
+            continue
+
+        values = value if isinstance(value, list) else [value]
+        if isinstance(value, list) and action.nargs is None:
+            fail(f"--config {path}: {key} takes one value, got a list {value!r}")
+        if not all(isinstance(v, (str, int, float)) for v in values):
+            fail(f"--config {path}: {key} takes numbers or text, got {value!r}")
+        words.append(flag)
+        for v in values:
+            if isinstance(v, str) and v.startswith("~/"):
+                v = os.path.expanduser(v)
+            words.append(str(v))
+    return words
 
 
 # -----------------------------------------------------------------------------
