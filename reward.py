@@ -8,26 +8,16 @@ list of N. With tools it gets tool_calls and environment_rewards too
 (tools.py), and the texts and ids then hold the tool results; chat completions
 are then the conversation of assistant and tool turns.
 
-As in TRL, a function that takes them (by name, or **kwargs) also gets
-trainer_state (TrainerState: optimizer steps done, fractional epoch, max_steps),
-log_metric(name, value) (a number for the step's record in metrics.jsonl,
-averaged over the step's calls and the ranks; eval_NAME while evaluating) and
-log_extra(column, values) (one value per completion, kept on RewardLogs.extras
-for a completions log). An `async def` function is awaited: a batch's async
-functions run together on one event loop.
-
 compute_rewards stacks F of them into (N, F), NaN for None (advantage.py skips
-it): each sync function in a thread of its own under --reward-timeout, then the
-async ones together under one. score does it for a rollout, and stops every
-rank if one fails.
+it), each run in a thread under --reward-timeout. score does it for a rollout,
+and stops every rank if one fails.
 
 Built-ins, by name (REWARD_FUNCS): accuracy_reward and reasoning_accuracy_reward
 (math-verify), think_format_reward, exact_match_reward, final_number_reward
 (the tools' default) and code_reward (sandbox.py). Factories: get_soft_overlong_punishment (DAPO) and
 get_reward_model_func (a learned reward model).
 
-Run the tests: python -m pytest -q tests/test_reward.py tests/test_reward_extras.py
-tests/test_data.py
+Run the tests: python -m pytest -q tests/test_reward.py tests/test_data.py
 
 Simplifications:
 1. A conversation is scored by the content of its last message.
@@ -42,18 +32,9 @@ Simplifications:
 5. A reward model sees the dataset's prompt (as in TRL), not the policy's
    rendered text, and nothing is truncated: prompt + completion must fit its
    context.
-6. TRL passes trainer_state, log_metric and log_extra to every function (its
-   docs ask for **kwargs); here only to one that takes them, so one that names
-   its columns and has no **kwargs keeps working. trainer_state holds 3 of a
-   transformers TrainerState's fields, and log_extra's columns wait on
-   RewardLogs.extras: there is no completions log yet.
 """
-import asyncio
-import concurrent.futures
-import dataclasses
 import functools
 import importlib
-import inspect
 import logging
 import math
 import numbers
@@ -62,9 +43,8 @@ import re
 import threading
 
 import torch
-import torch.distributed as dist
 
-from common import all_ranks_ok, collective_device, ddp, fail, world
+from common import all_ranks_ok, fail
 
 
 def _text(completion):
@@ -363,157 +343,6 @@ def get_reward_funcs(names):
     return funcs
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainerState:
-    """What a reward function gets as trainer_state: the fields of TRL's (a
-    transformers TrainerState) that say how far training is, for a curriculum.
-
-    global_step counts optimizer steps done, as in transformers, not GRPO steps
-    (one GRPO step takes --num-iterations x minibatches of them); max_steps is
-    the run's total of them, so global_step / max_steps is the progress. epoch
-    is the prompts drawn before the batch / the train prompts (fractional).
-    """
-    global_step: int
-    epoch: float
-    max_steps: int
-
-
-class RewardLogs:
-    """What reward functions log through log_metric and log_extra, kept until the
-    caller logs it (TRL's _pending_metrics and _pending_extra_logs).
-
-    metrics: {name: [one value per call]}; extras: {column: [one value per
-    completion, over the calls]}, for a completions log (there is none yet);
-    loggers: {metric name: the function that logged it}; problems: one line per
-    call refused (compute_rewards raises the first).
-    """
-
-    def __init__(self):
-        self.metrics = {}
-        self.extras = {}
-        self.loggers = {}
-        self.problems = []
-
-    def _refuse(self, problem):
-        self.problems.append(problem)
-        raise ValueError(problem)
-
-    def log_metric_for(self, fn_name):
-        """fn_name's log_metric(name, value): a finite real number for the record."""
-        def log_metric(name, value):
-            tensor = isinstance(value, torch.Tensor) and value.numel() == 1
-            real = isinstance(value, numbers.Real) or tensor
-            if not isinstance(name, str) or not name:
-                self._refuse(f"reward function {fn_name} logged a metric named {name!r:.80}: "
-                             f"name it with a non-empty string")
-            if name.startswith("eval_"):
-                self._refuse(f"reward function {fn_name} logged metric {name!r}: eval_ is the "
-                             f"prefix of evaluation's metrics (a metric logged while "
-                             f"evaluating is recorded as eval_NAME); rename it")
-            if not real or not math.isfinite(float(value)):
-                self._refuse(f"reward function {fn_name} logged metric {name!r} = "
-                             f"{value!r:.80}: log_metric takes a finite real number")
-
-            self.metrics.setdefault(name, []).append(float(value))
-            self.loggers.setdefault(name, fn_name)
-
-        return log_metric
-
-    def log_extra_for(self, fn_name, N):
-        """fn_name's log_extra(column, values): N values, one per completion."""
-        def log_extra(column, values):
-            if not isinstance(column, str) or not column:
-                self._refuse(f"reward function {fn_name} logged an extra column named "
-                             f"{column!r:.80}: name it with a non-empty string")
-            if not isinstance(values, (list, tuple)) or len(values) != N:
-                got = f"{len(values)} values" if isinstance(values, (list, tuple)) else (
-                    f"{values!r:.80}")
-                self._refuse(f"reward function {fn_name} logged extra column {column!r} "
-                             f"with {got}: log_extra takes a list of {N} (one per "
-                             f"completion)")
-
-            self.extras.setdefault(column, []).extend(values)
-
-        return log_extra
-
-
-# the keywords TRL adds to the batch's columns (GRPOTrainer._calculate_rewards)
-EXTRAS = ("trainer_state", "log_metric", "log_extra")
-
-
-def _takes(fn, keyword):
-    """Whether fn can be called with keyword=...: a parameter of that name, or
-    **kwargs. A signature inspect cannot read (some builtins) takes none, so a
-    function written before these keywords keeps working."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return False
-
-    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return any(p.kind == p.VAR_KEYWORD or (p.name == keyword and p.kind in named)
-               for p in params)
-
-
-def _is_async(fn):
-    """Whether fn(...) returns a coroutine, as TRL's is_async_callable: an `async
-    def` function, a partial of one, or an object whose __call__ is one."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None))
-
-
-@functools.cache
-def _event_loop():
-    """The event loop async reward functions run on: one for the process, on a
-    daemon thread (as TRL's), so an async client a function keeps between
-    batches stays on the loop it was made on."""
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, name="reward event loop", daemon=True).start()
-    return loop
-
-
-def _call_async(calls, timeout):
-    """Await every (fn, name, kwargs) of calls together on the event loop, for at
-    most timeout seconds in all (None: forever) -> their values, in order.
-
-    RuntimeError naming the first that raised or exited, or those still running
-    at the timeout (then cancelled).
-    """
-    running = [name for _, name, _ in calls]
-
-    async def one(fn, name, kwargs):
-        try:
-            return await fn(**kwargs), None
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:
-            # SystemExit would stop the loop itself
-            return None, e
-        finally:
-            running.remove(name)
-
-    async def together():
-        return await asyncio.gather(*(one(*call) for call in calls))
-
-    future = asyncio.run_coroutine_threadsafe(together(), _event_loop())
-    try:
-        results = future.result(timeout)
-    except concurrent.futures.TimeoutError:
-        # named before the cancel ends them (or all, had they just ended)
-        late = ", ".join(running) or ", ".join(name for _, name, _ in calls)
-        future.cancel()
-        raise RuntimeError(f"reward function {late} did not return within {timeout:g} s: "
-                           f"make it faster, or raise --reward-timeout") from None
-
-    for (_, name, _), (values, e) in zip(calls, results):
-        if e is not None:
-            raise RuntimeError(f"reward function {name} raised {type(e).__name__}: "
-                               f"{e}") from e
-    return [values for values, _ in results]
-
-
 def _call(fn, name, timeout, kwargs):
     """fn(**kwargs) in a daemon thread, for at most timeout seconds (None:
     forever). A hang cannot block the exit, and an exit (SystemExit: any
@@ -545,60 +374,22 @@ def _call(fn, name, timeout, kwargs):
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
-def compute_rewards(funcs, prompts, completions, timeout=None, logs=None,
-                    trainer_state=None, /, **columns):
-    """Each function once on the batch -> rewards (N, F) float32, NaN where it
-    said None. RuntimeError or ValueError naming a function that fails.
-
-    Each sync function runs in a thread of its own, for at most timeout seconds;
-    then the async ones together, for at most timeout seconds in all. A function
-    that takes them also gets trainer_state, and log_metric and log_extra, which
-    write to logs (a RewardLogs; None: a fresh one, dropped).
-    """
+def compute_rewards(funcs, prompts, completions, timeout=None, /, **columns):
+    """Each function once on the batch, in a thread, for at most timeout seconds
+    -> rewards (N, F) float32, NaN where it said None. RuntimeError or ValueError
+    naming a function that fails."""
     N = len(completions)
     rewards = torch.full((N, len(funcs)), math.nan)  # (N, F)
-    if logs is None:
-        logs = RewardLogs()
 
-    # each function's keywords: the batch, and the EXTRAS it takes
-    calls = []
-    for fn in funcs:
+    for f, fn in enumerate(funcs):
         name = getattr(fn, "__name__", repr(fn))
-        extras = dict(trainer_state=trainer_state, log_metric=logs.log_metric_for(name),
-                      log_extra=logs.log_extra_for(name, N))
         kwargs = dict(prompts=prompts, completions=completions, **columns)
-        kwargs.update({k: v for k, v in extras.items() if _takes(fn, k)})
-        calls.append((fn, name, kwargs))
+        values = _call(fn, name, timeout, kwargs)
+        _check_values(values, name, N, completions)
+        floats = [math.nan if v is None else float(v) for v in values]
+        rewards[:, f] = torch.tensor(floats)
 
-    # the sync ones, one by one, then the async ones together
-    is_async = [_is_async(fn) for fn in funcs]
-    try:
-        for f, (fn, name, kwargs) in enumerate(calls):
-            if not is_async[f]:
-                _store(rewards, f, _call(fn, name, timeout, kwargs), name, completions)
-        waited = [f for f in range(len(funcs)) if is_async[f]]
-        if waited:
-            values = _call_async([calls[f] for f in waited], timeout)
-            for f, v in zip(waited, values):
-                _store(rewards, f, v, calls[f][1], completions)
-    except RuntimeError:
-        # a refused log_metric or log_extra call says it better (the function
-        # raised the ValueError on, or went on and failed otherwise)
-        if logs.problems:
-            raise ValueError(logs.problems[0]) from None
-        raise
-
-    # refused, and the function caught the ValueError
-    if logs.problems:
-        raise ValueError(logs.problems[0])
     return rewards
-
-
-def _store(rewards, f, values, name, completions):
-    """Checked values of function f -> column f of rewards (N, F), NaN for None."""
-    _check_values(values, name, len(completions), completions)
-    floats = [math.nan if v is None else float(v) for v in values]
-    rewards[:, f] = torch.tensor(floats)  # (N,)
 
 
 def _check_values(values, name, N, completions):
@@ -638,15 +429,10 @@ def pass_at_k(n, c, k):
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
-def score(funcs, rows, rollout, conversational, timeout, trainer_state=None, logs=None):
+def score(funcs, rows, rollout, conversational, timeout):
     """Rewards (N, F) of a rollout (rows: its dataset row per completion), NaN for
     no opinion. A reward that raised, exited or took over timeout seconds stops
-    every rank alike.
-
-    trainer_state: what the functions get as trainer_state. logs: a RewardLogs
-    their log_metric and log_extra calls add to, which the caller logs
-    (logged_metrics); None: they are dropped.
-    """
+    every rank alike."""
     columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
     if hasattr(rollout, "tool_calls"):
         # tools: each completion's calls, its environment's score
@@ -667,8 +453,8 @@ def score(funcs, rows, rollout, conversational, timeout, trainer_state=None, log
 
     error = None
     try:
-        rewards = compute_rewards(funcs, [r["prompt"] for r in rows], texts, timeout, logs,
-                                  trainer_state, completion_ids=ids, **columns)
+        rewards = compute_rewards(funcs, [r["prompt"] for r in rows], texts, timeout,
+                                  completion_ids=ids, **columns)
     except BaseException as e:
         # raised, exited or hung (compute_rewards names it)
         rewards = None
@@ -681,37 +467,3 @@ def score(funcs, rows, rollout, conversational, timeout, trainer_state=None, log
             message = "another rank's reward function failed (see its message)"
         fail(message, everywhere=False)
     return rewards
-
-
-def logged_metrics(logs, record, prefix=""):
-    """{prefix + name: mean} of the metrics logs holds: each the mean of the values
-    logged on every rank in the step (or the evaluation), as TRL's log.
-
-    A collective under DDP: the names are gathered from every rank, so each
-    reduces the same ones in the same (sorted) order. A name already among
-    record's keys (train.py's own) stops the run, on every rank alike.
-    """
-    names = sorted(logs.metrics)
-    if ddp:
-        every = [None] * world
-        dist.all_gather_object(every, names)
-        names = sorted(set().union(*every))
-    if not names:
-        return {}
-
-    taken = [name for name in names if prefix + name in record]
-    if taken:
-        name = taken[0]
-        who = logs.loggers.get(name, "a reward function on another rank")
-        fail(f"reward function {who} logged metric {name!r}, which is the name of one of "
-             f"train.py's own numbers ({prefix + name} in metrics.jsonl): rename it")
-
-    # (names, 2): this rank's sum and count of each, then every rank's
-    sums = [[sum(logs.metrics.get(n, [])), len(logs.metrics.get(n, []))] for n in names]
-    sums = torch.tensor(sums, dtype=torch.float64)  # (names, 2)
-    if ddp:
-        sums = sums.to(collective_device())
-        dist.all_reduce(sums)
-        sums = sums.cpu()
-
-    return {prefix + n: total / count for n, (total, count) in zip(names, sums.tolist())}

@@ -83,12 +83,9 @@ from model import (Forward, load_model, load_reference, load_tokenizer, pad_id, 
                    sequence_logps, truncate_logits, wrap_ddp)
 from reduction import kept_mask, minibatch_tokens
 from reward import (
-    RewardLogs,
-    TrainerState,
     final_number_reward,
     get_reward_funcs,
     get_soft_overlong_punishment,
-    logged_metrics,
     pass_at_k,
     score,
 )
@@ -365,10 +362,6 @@ def evaluate():
     rows = eval_rows[rank::world]  # this rank's share
     ids = eval_ids[rank::world]
     n = args.eval_samples or 1
-    # TRL's trainer_state (reward.TrainerState): optimizer steps and prompts so far
-    progress = TrainerState(global_step=opt_step, epoch=consumed / len(train_rows),
-                            max_steps=opt_steps_total)
-    logs = RewardLogs()  # the eval reward's log_metric and log_extra calls
 
     def rewards(temperature, g):
         """(prompts, g): the eval reward of g completions per prompt, and
@@ -379,8 +372,7 @@ def evaluate():
         rollout = engine.generate(ids, g, args.max_new_tokens, temperature=temperature,
                                   **sampling, **extra)
         rows_g = [r for r in rows for _ in range(g)]
-        rewards = score([eval_func], rows_g, rollout, conversational, args.reward_timeout,
-                        progress, logs)
+        rewards = score([eval_func], rows_g, rollout, conversational, args.reward_timeout)
         truncated = ~rollout.is_finished.view(-1, g)
         return rewards[:, 0].nan_to_num().view(-1, g), truncated
 
@@ -403,8 +395,6 @@ def evaluate():
                   eval_sampled=means[2])
     for k, p in zip(eval_k, means[3:]):
         result[f"pass@{k}"] = p
-    # its log_metric values, as TRL logs evaluation's: eval_NAME (no extras kept)
-    result.update(logged_metrics(logs, result, prefix="eval_"))
     return result
 
 
@@ -570,7 +560,6 @@ def mix_reference(reference, policy, alpha):
 
 # -----------------------------------------------------------------------------
 # The GRPO loop
-opt_steps_total = args.steps * args.num_iterations * (n_local // minibatch)
 metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
 metrics_file = None
 if master:
@@ -584,6 +573,7 @@ if not resume_from:
     mark("first evaluation")
 print0(startup_line(t_launch))
 
+opt_steps_total = args.steps * args.num_iterations * (n_local // minibatch)
 t_start = time.time()
 bar = tqdm(range(start_step + 1, args.steps + 1), initial=start_step, total=args.steps,
            disable=not master, dynamic_ncols=True)
@@ -596,7 +586,6 @@ for step in bar:
     #    rounds until each rank holds its share of others (advantage.py).
     rounds = []
     sampled = None
-    reward_logs = RewardLogs()  # the step's log_metric and log_extra calls
     while sampled is None:
         rows, rollout, sampler_version, seconds = ahead or sample(consumed)
         consumed += args.prompts_per_step
@@ -605,13 +594,8 @@ for step in bar:
         # --async: ask for the next batch now, score and train meanwhile
         if args.async_ and step < args.steps:
             ahead = in_background(sample, consumed)
-        # TRL's trainer_state (reward.TrainerState): optimizer steps done, and the
-        # prompts drawn before this batch
-        progress = TrainerState(global_step=opt_step,
-                                epoch=(consumed - args.prompts_per_step) / len(train_rows),
-                                max_steps=opt_steps_total)
-        rewards = score(reward_funcs, rows, rollout, conversational, args.reward_timeout,
-                        progress, reward_logs)  # (N, F)
+        rewards = score(reward_funcs, rows, rollout, conversational,
+                        args.reward_timeout)  # (N, F)
         rounds.append((rows, rollout, rewards))
         times["rollout"] += seconds
         times["reward"] += time.time() - t1
@@ -732,10 +716,6 @@ for step in bar:
     record.update({f"time_{k}": v for k, v in times.items()})
     record["tokens_per_s"] = lengths.sum().item() * world / times["rollout"]
     record["elapsed"] = time.time() - t_start
-    # the rewards' log_metric values, each the mean over the step's calls and the
-    # ranks, by the name given (as TRL). Their log_extra columns stay on
-    # reward_logs.extras, for a completions log (none yet)
-    record.update(logged_metrics(reward_logs, record))
     if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
         record.update(evaluate())
     if master:
