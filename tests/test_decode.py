@@ -221,7 +221,8 @@ def test_a_sliding_window_layer_decodes_as_a_full_forward(mixed):
 @pytest.mark.xfail(strict=True, reason="known: with a sliding-window layer, FastHFEngine's "
                    "left-padded rows differ from a full forward (up to 0.08 here; so at "
                    "f8de745 too); rollout.HFEngine's plain loop matches (2e-7): the fast "
-                   "loop's sliding-window cache; not traced yet")
+                   "loop's sliding-window cache, not traced yet; so fast.install keeps "
+                   "the plain loop for such a model (tests/test_fast.py)")
 def test_a_sliding_window_layer_decodes_left_padded_rows_as_a_full_forward(mixed):
     rollout, policy = mixed
     logps, _ = full_forward_logps(policy, rollout, 1.0)

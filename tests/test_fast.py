@@ -135,6 +135,25 @@ def test_the_decode_loops_draw_the_same_completions(tiny, temperature, filters):
     torch.testing.assert_close(got.sampling_logps, want.sampling_logps, atol=1e-5, rtol=1e-5)
 
 
+def test_a_sliding_window_model_keeps_the_plain_decode_loop(tmp_path):
+    """The fast loop's left-padded rows are off with a sliding-window layer
+    (tests/test_decode.py): install leaves such a model the plain loop."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from task import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=32, use_sliding_window=True, sliding_window=4,
+                         layer_types=["full_attention", "sliding_attention"])
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+
+    _, engine, _, _ = installed(str(tmp_path), tokenizer, flags(), minibatch=1)
+    assert type(engine) is HFEngine
+
+
 def imported_by_a_run(tmp_path, *train_flags):
     """The module names a 1-step default run of train.py imports (a cold interpreter)."""
     names = tmp_path / "modules.json"
