@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from common import all_ranks_ok, barrier, master, rank
+from common import all_ranks_ok, barrier, is_lora, master, rank
 
 # full tensors (FSDP: gathered)
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -269,7 +269,7 @@ def save_model(model, path, state_dict, tokenizer):
     A LoRA policy is saved merged, as the engine samples from it, under plain
     names, with its adapter in path/adapter.
     """
-    if hasattr(model, "peft_config"):  # LoRA (lora.is_lora)
+    if is_lora(model):
         from lora import merged_state_dict
 
         # adapter_model.safetensors + its config
@@ -369,7 +369,7 @@ def restore(path, saved, model, optimizer, engine, device, reference=None):
     """
     # the policy was built from the initial model: the checkpoint's adapter is the
     # trained part
-    if hasattr(model, "peft_config"):  # LoRA (lora.is_lora)
+    if is_lora(model):
         from lora import load_adapter
 
         load_adapter(model, os.path.join(path, "model", "adapter"))

@@ -12,6 +12,7 @@ It imports nothing from the project.
     mark(phase), startup_line  how long each start-up phase took
     step_line(record)          the one line printed per step
     private_rng(seed), unwrap  a seeded stretch of the global RNGs; the module under DDP
+    is_lora(model)             whether the policy carries LoRA adapters (peft)
 """
 import importlib
 import logging
@@ -263,6 +264,12 @@ def result_everywhere(future):
     errors = [None] * world
     dist.all_gather_object(errors, error)
     raise next(e for e in errors if e is not None)
+
+
+def is_lora(model):
+    """Whether model (unwrapped from DDP) is a peft PeftModel (--lora-rank). Here,
+    not in lora.py, so that a run without LoRA never imports lora.py."""
+    return hasattr(model, "peft_config")
 
 
 def unwrap(model):

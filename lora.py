@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from common import require
+from common import is_lora, require
 
 ADAPTER = "default"  # peft's name for the one adapter we train
 
@@ -98,11 +98,6 @@ def add_lora(model, config):
         if isinstance(layer, LoraLayer) and config.lora_dropout > 0:
             layer.lora_dropout[ADAPTER] = GradOnlyDropout(config.lora_dropout)
     return model
-
-
-def is_lora(model):
-    """Whether model (unwrapped from DDP) is a peft PeftModel."""
-    return hasattr(model, "peft_config")
 
 
 class AdaptersOff:

@@ -51,7 +51,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from common import cause
+from common import cause, is_lora
 
 
 # -----------------------------------------------------------------------------
@@ -189,7 +189,7 @@ def load_reference(policy, path, dtype, device, fsdp):
     With LoRA there is no second copy of the weights: the reference is the policy
     itself with its adapters off (lora.AdaptersOff).
     """
-    if hasattr(policy, "peft_config"):  # LoRA (lora.is_lora)
+    if is_lora(policy):
         from lora import AdaptersOff
 
         return AdaptersOff(policy)
@@ -344,8 +344,7 @@ def recompute_layers(model):
                          f"transformers can checkpoint")
     # a sliding-window layer's cache appends on every update: a replay of
     # fast/update.py's shared prefix would append the prompt twice
-    cache = DynamicCache(config=model.config)
-    if not all(type(layer) is DynamicLayer for layer in cache.layers):
+    if not full_attention(model):
         raise ValueError("--gradient-checkpointing needs full-attention layers (the "
                          "backward replays each layer's KV cache); this model has "
                          "sliding-window ones")
@@ -354,6 +353,13 @@ def recompute_layers(model):
     for layer in layers:
         layer.forward = partial(_checkpointed, layer.forward)
     return len(layers)
+
+
+def full_attention(model):
+    """Whether every layer of model attends to the whole sequence (no sliding
+    window): the layers of its DynamicCache are all transformers' plain ones."""
+    cache = DynamicCache(config=model.config)
+    return all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
 def is_recomputed(layer):

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from common import all_ranks_ok, private_rng, unwrap
+from common import all_ranks_ok, is_lora, private_rng, unwrap
 from model import kept_tokens, pad_id, sequence_batch, truncates
 
 
@@ -490,7 +490,7 @@ def full_named_parameters(model, counter, dtype=None):
     the logits kept the old ones.
     """
     params = unwrap(model).named_parameters(remove_duplicate=False)
-    if hasattr(unwrap(model), "peft_config"):  # LoRA: the merged weights (lora.py)
+    if is_lora(unwrap(model)):  # the merged weights (lora.py)
         from lora import sync_parameters
 
         params = sync_parameters(unwrap(model))

@@ -48,7 +48,7 @@ def install(mode, *, args, model, reference, engine, optimizer, device, dtype, l
     from common import unwrap
     from fast import update
     from fast.memory import MICRO_BATCH_LOGITS, auto_micro_batch, install_trims
-    from model import Forward, truncates
+    from model import Forward, full_attention, truncates
     from rollout import HFEngine
 
     done = []
@@ -69,7 +69,7 @@ def install(mode, *, args, model, reference, engine, optimizer, device, dtype, l
     # 2) the HF engine's decode loop. A model with sliding-window layers keeps
     # the plain loop: the fast one's left-padded rows are off there (the strict
     # xfail in tests/test_decode.py), the plain one's are right
-    if type(engine) is HFEngine and _full_attention(policy):
+    if type(engine) is HFEngine and full_attention(policy):
         from fast.decode import FastHFEngine
 
         engine = FastHFEngine(engine.model, engine.tokenizer, seed=engine.seed,
@@ -104,15 +104,6 @@ def install(mode, *, args, model, reference, engine, optimizer, device, dtype, l
         done.append("malloc_trim")
 
     return engine, forward, micro, ", ".join(done)
-
-
-def _full_attention(model):
-    """Whether every layer of model attends to the whole sequence (no sliding window)."""
-    from transformers import DynamicCache
-
-    from fast.decode import full_attention
-
-    return full_attention(DynamicCache(config=model.config))
 
 
 def _modules(m):

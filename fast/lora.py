@@ -12,6 +12,7 @@ from functools import partial
 
 import torch
 
+from common import is_lora
 from fast import forwards_replaced
 
 
@@ -37,8 +38,7 @@ def merged_adapters(model):
     accelerator memory) the layers are left as they are.
     """
     layers = []
-    # a peft PeftModel (lora.is_lora), without importing lora.py where there is none
-    if hasattr(model, "peft_config"):
+    if is_lora(model):
         from peft.tuners.lora import Linear
 
         layers = [m for m in model.modules()
