@@ -58,7 +58,8 @@ def held_out(model_path, tokenizer, rows, with_env, max_new):
     from model import load_model
     from reward import final_number_reward
     from rollout import HFEngine
-    from tools import with_tools
+    from tool_format import TemplateFormat
+    from tools import ToolEngine
 
     model = load_model(model_path, torch.float32, torch.device("cpu"), False, None)
     engine = HFEngine(model, tokenizer)
@@ -66,8 +67,8 @@ def held_out(model_path, tokenizer, rows, with_env, max_new):
     tools_of = None
     if with_env:
         specs = load_specs([GUESS], [])
-        engine = with_tools(engine, tokenizer, specs, False, max_calls=6, output_tokens=16,
-                            timeout_s=10.0, render=None)
+        engine = ToolEngine(engine, tokenizer, TemplateFormat(tokenizer, 16), specs,
+                            max_calls=6, timeout_s=10.0)
 
         def tools_of(row):
             return list(specs[None].schemas.values())

@@ -100,16 +100,16 @@ def held_out(model_path, tokenizer, ids, rows, tools, max_new):
     from model import load_model
     from reward import final_number_reward
     from rollout import HFEngine
-    from tool_format import FENCE
-    from tools import with_tools
+    from tool_format import FENCE, FenceFormat
+    from tools import ToolEngine
 
     model = load_model(model_path, torch.float32, torch.device("cpu"), False, None)
     engine = HFEngine(model, tokenizer)
     if tools:
         # --tools python's loop, as train.py builds it
         specs = load_specs(["environments.python_tool.PythonTool"], [])
-        engine = with_tools(engine, tokenizer, specs, True, max_calls=2, output_tokens=64,
-                            timeout_s=10.0, render=None)
+        engine = ToolEngine(engine, tokenizer, FenceFormat(tokenizer, 64), specs,
+                            max_calls=2, timeout_s=10.0)
 
     rollout = engine.generate(ids, 1, max_new, temperature=0.0)
 
