@@ -36,6 +36,9 @@ trainer asks for resets, calls and the reward over a pipe. So:
 3. Nothing a tool does reaches the trainer's memory. It is not a sandbox: the
    process runs as the trainer's user (sandbox.py's guarantees are for
    --tools python's code, whose tool runs it there).
+4. An instance that fails to start or reset costs its row the environment: a
+   warning, and its reward is None. Failing on every row of a generate call,
+   on every rank, stops the run in one line (reset_failures).
 
 Tests: python -m pytest -q tests/test_environment.py
 """
@@ -47,6 +50,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+
+from common import all_ranks_ok, fail
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "environment_child.py")
 # start-up: the interpreter, and the imports of the environment's module
@@ -199,7 +204,8 @@ def spec_of(specs, row):
 
 def start(specs, rows, seed, timeout_s):
     """One instance per row, in parallel, each reset with its row -> (instances,
-    observations: None or text per row)."""
+    observations: None or text per row). One that fails to start or reset is
+    killed, its error kept as its `dead` (reset_failures reads them)."""
     instances = []
     for i, row in enumerate(rows):
         spec = spec_of(specs, row)
@@ -214,9 +220,6 @@ def start(specs, rows, seed, timeout_s):
             columns = {k: v for k, v in row.items() if k != "environment" or None in specs}
             ok, value = instance.reset(columns)
         if not ok:
-            print(f"warning: an environment failed to start or reset ({value}); its "
-                  "completion is sampled without it, and its reward is None",
-                  file=sys.stderr)
             instance.kill(value)
             return None
         return value
@@ -224,3 +227,39 @@ def start(specs, rows, seed, timeout_s):
     with ThreadPoolExecutor(min(32, len(rows))) as pool:
         observations = list(pool.map(reset, zip(instances, rows)))
     return instances, observations
+
+
+def reset_failures(specs, rows, instances, earlier=None):
+    """Why each of start's instances failed to start or reset (None: it did not)
+    -> that list, one per row.
+
+    Some rows failing: a warning each; their completions are sampled without an
+    environment, and their rewards are None. Every row of a generate call
+    failing, on every rank, stops the run in one line, naming the first row's
+    environment and error: trained on, every reward would be None, a NaN reward
+    and a zero loss at every step (issue 61). earlier: the failures of the
+    call's earlier chunks, when these rows are its last; None while more are to
+    come.
+
+    The verdict is one for all ranks: each rank reaches its call's last chunk
+    once, and train.py's ranks call generate in step (one call per sampling
+    round, two per evaluation), so all are in the all_reduce. A rank whose rows
+    all failed, beside one whose did not, holds some rows of the step: warnings.
+    """
+    failures = [instance.dead for instance in instances]
+
+    # the call's last rows: stop if not one row of any rank's call has its
+    # environment
+    if earlier is not None and all_ranks_ok(all(earlier + failures)):
+        spec = spec_of(specs, rows[0])
+        what = spec.path or " ".join(spec.tool_paths)
+        fail(f"the environment {what} failed to start or reset on every row of the "
+             f"batch, the first with {(earlier + failures)[0]}; every completion would "
+             f"be sampled without it, its reward None: fix it")
+
+    for failure in failures:
+        if failure is not None:
+            print(f"warning: an environment failed to start or reset ({failure}); its "
+                  "completion is sampled without it, and its reward is None",
+                  file=sys.stderr)
+    return failures

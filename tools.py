@@ -114,19 +114,25 @@ class ToolEngine:
         prompts = []
         transcripts = []
         rewards = []
+        failures = []  # per row: why its environment failed to start or reset, or None
         for start in range(0, len(prompt_ids), per_chunk):
             chunk = slice(start, start + per_chunk)
+            # the last chunk judges the whole call: every reset failed -> stop
+            last = start + per_chunk >= len(prompt_ids)
             played = self.play(prompt_ids[chunk], rows[chunk], G, max_new_tokens,
-                               temperature, sampling)
+                               temperature, sampling, failures if last else None)
             prompts += played[0]
             transcripts += played[1]
             rewards += played[2]
+            failures += played[3]
 
         return self.build(prompts, transcripts, rewards)
 
-    def play(self, prompt_ids, rows, G, max_new_tokens, temperature, sampling):
+    def play(self, prompt_ids, rows, G, max_new_tokens, temperature, sampling, earlier):
         """One chunk: an instance per completion, reset, the rounds, the rewards
-        -> (prompts, transcripts, rewards), a list each of N."""
+        -> (prompts, transcripts, rewards, reset failures), a list each of N.
+        earlier: the call's failures so far, when this chunk is its last (it
+        stops the run if every row failed: environment.reset_failures)."""
         rows = [row for row in rows for _ in range(G)]  # (N,)
         N = len(rows)
 
@@ -135,6 +141,7 @@ class ToolEngine:
         instances, observations = environment.start(self.specs, rows, seed,
                                                     self.timeout_s)
         try:
+            failures = environment.reset_failures(self.specs, rows, instances, earlier)
             prompts = [prompt_ids[i // G] for i in range(N)]  # (N,)
             for i, observation in enumerate(observations):
                 if observation is not None:
@@ -155,7 +162,7 @@ class ToolEngine:
             for instance in instances:
                 instance.close()
 
-        return prompts, transcripts, rewards
+        return prompts, transcripts, rewards, failures
 
     def converse(self, rollout, prompts, instances, max_new_tokens, temperature,
                  sampling):

@@ -1,8 +1,9 @@
 """Environments and function tools (environment.py, tool_format.py, tools.py):
 TRL's environment_factory contract with a class written as TRL's docs write one
 (tests/trl_style_env.py), the chat template's tool calls parsed and their
-results spliced in and masked, the built-in environments, hostile tools, and
-train.py with --environment on both engines, resumed bit-exactly after kill -9.
+results spliced in and masked, the built-in environments, hostile tools, a
+reset that fails on some rows or on all (tests/failing_env.py), and train.py
+with --environment on both engines, resumed bit-exactly after kill -9.
 
 The real-model tests use `caller`: a 1-layer Qwen2 with a character tokenizer
 and assets/chatml_tools.jinja, fine-tuned (a few seconds) to answer each of
@@ -31,6 +32,10 @@ with open(TEMPLATE_PATH) as f:
     TEMPLATE = f.read()
 COUNTER = "trl_style_env.CounterEnv"
 GUESS = "environments.guess_number.GuessNumber"
+# reset raises on every row; on the rows whose solution is "bad"; on rank 1
+ALWAYS_FAILS = "failing_env.ResetAlwaysFails"
+FAILS_ON_BAD = "failing_env.ResetFailsOnBadRows"
+FAILS_ON_RANK_1 = "failing_env.ResetFailsOnRank1"
 CALCULATOR = "environments.calculator.calculate"
 # (environment, function tools, row, the call the model makes, its result, last words)
 CONVERSATIONS = {
@@ -357,6 +362,60 @@ def test_template_support_is_checked():
 
 
 # -----------------------------------------------------------------------------
+# a reset that fails (issue 61)
+
+def test_a_reset_that_fails_on_some_rows_warns_and_their_rewards_are_none(chat, capsys,
+                                                                       monkeypatch):
+    """Their completions are sampled without an environment: a warning each, a
+    reward of None. A whole chunk failing is some rows of the call: no stop."""
+    import tools
+
+    specs = load_specs([FAILS_ON_BAD], [])
+    script = [call_text("guess", number=1), "done$"]
+    prompts = [encode(chat, "A"), encode(chat, "B")]
+
+    def rewards(rows):
+        engine = template_engine(ScriptedChat(chat, script), chat, specs)
+        r = engine.generate(prompts, 2, 200, rows=rows)
+        return [value for _, value in r.environment_rewards]
+
+    assert rewards([dict(solution="1"), dict(solution="bad")]) == [1.0, 1.0, None, None]
+    warnings = capsys.readouterr().err.splitlines()
+    assert len(warnings) == 2, warnings
+    assert all(w.startswith("warning: an environment failed to start or reset (KeyError: "
+                            "'a bad row')") for w in warnings), warnings
+
+    # two chunks, the first all failed: the call's rows are judged together
+    monkeypatch.setattr(tools, "MAX_LIVE", 2)
+    assert rewards([dict(solution="bad"), dict(solution="1")]) == [None, None, 1.0, 1.0]
+
+
+def test_a_reset_that_fails_on_every_row_stops_in_one_line(chat, capsys, monkeypatch):
+    """Every row of a generate call: the run stops (exit 2) in one line, the
+    environment's class and the first error, before anything is sampled; in
+    one chunk or over several."""
+    import tools
+
+    specs = load_specs([ALWAYS_FAILS], [])
+    prompts = [encode(chat, "A"), encode(chat, "B")]
+    rows = [dict(solution="1"), dict(solution="2")]
+    expected = ("error: the environment failing_env.ResetAlwaysFails failed to start or reset "
+                "on every row of the batch, the first with ValueError: no board for solution 1;")
+
+    for max_live in (64, 2):
+        monkeypatch.setattr(tools, "MAX_LIVE", max_live)
+        engine = template_engine(ScriptedChat(chat, ["done$"]), chat, specs)
+        with pytest.raises(SystemExit) as e:
+            engine.generate(prompts, 2, 200, rows=rows)
+
+        out, err = capsys.readouterr()
+        assert e.value.code == 2 and out.count("\n") == 1, out
+        assert out.startswith(expected), out
+        # one chunk: no warning; two: the first chunk's (it could not know yet)
+        assert err.count("warning: ") == (0 if max_live == 64 else 2), err
+
+
+# -----------------------------------------------------------------------------
 # the built-ins, and the reward hole
 
 def test_guess_number_and_calculator():
@@ -448,6 +507,42 @@ def test_kill_and_resume_with_an_environment_is_bit_identical(caller, tmp_path):
     b = load_file(crashed / "model" / "model.safetensors")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     assert without_timings(straight)[-1]["step"] == 6
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_train_stops_in_one_line_when_every_reset_fails(caller, tmp_path, nproc):
+    """At its first batch (the step-0 evaluation's), not 6 steps of NaN rewards
+    and zero losses, a warning per row; on 2 ranks, every rank exits, with one
+    line and no hang."""
+    args = environment_args(caller, tmp_path) + ["--environment", ALWAYS_FAILS]
+
+    code, out, records = run_train(args, tmp_path / "out", nproc=nproc, check=False,
+                                   timeout=180)
+
+    errors = [line for line in out.splitlines() if line.startswith("error")]
+    assert code != 0 and len(errors) == 1, out[-3000:]
+    assert errors[0].startswith("error: the environment failing_env.ResetAlwaysFails failed "
+                                "to start or reset on every row of the batch, the first with "
+                                "ValueError: no board for solution 2;"), errors[0]
+    assert "warning: " not in out and records == [], out[-3000:]
+    if nproc == 1:
+        assert code == 2 and "Traceback" not in out, out[-3000:]
+    else:  # torchrun's agent reports the exits (ChildFailedError); no rank's traceback
+        assert "[rank0]" not in out and "[rank1]" not in out, out[-3000:]
+
+
+def test_a_reset_failing_on_one_rank_is_some_rows_of_the_step(caller, tmp_path):
+    """Rank 1's rows all fail, rank 0's reset: some rows of the step, so
+    warnings from rank 1 and a run that ends normally (the verdict is one for
+    both ranks)."""
+    args = environment_args(caller, tmp_path) + ["--environment", FAILS_ON_RANK_1,
+                                                 "--steps", "1"]
+
+    _, out, records = run_train(args, tmp_path / "out", nproc=2, timeout=180)
+
+    assert "warning: an environment failed to start or reset (RuntimeError: rank 1 has no " \
+        "board)" in out, out[-3000:]
+    assert [r["step"] for r in records] == [0, 1]
 
 
 def test_a_template_without_tool_calls_is_refused_in_one_line(caller, tmp_path):

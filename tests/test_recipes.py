@@ -2,10 +2,13 @@
 
 Every recipe parses and passes the flags' rules; the command line overrides a
 file; bad input stops in one line; run.json records the file and its values;
-the recipes a CPU can run train a step.
+the recipes a CPU can run train a step; the data the recipes ship is what its
+script writes.
 """
 import glob
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -16,7 +19,12 @@ from real_model import missing, smollm2_dir, write_word_problems
 
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.yaml")))
 # the recipes a CPU runs: SmolLM2-135M-Instruct (tests/real_model.py)
-CPU_RECIPES = ["smollm2_lora.yaml", "smollm2_learn.yaml"]
+CPU_RECIPES = ["smollm2_lora.yaml", "smollm2_learn.yaml", "smollm2_tools.yaml",
+               "smollm2_guess_number.yaml"]
+# the recipes that train on data they ship (recipes/data/), and what their run
+# must log: the tool loop's metric, the environment's reward
+SHIPPED = {"smollm2_tools.yaml": "tool_calls_mean",
+           "smollm2_guess_number.yaml": "reward/GuessNumber"}
 
 
 def parsed(argv):
@@ -92,15 +100,29 @@ def test_a_missing_recipe_file_stops_in_one_line(tmp_path, capsys):
 def test_a_cpu_recipe_trains_a_step(tmp_path, name):
     """The recipe as it is, but one short step, on the model folder and the
     word problems of tests/real_model.py (the recipe's header says how to make
-    them)."""
-    dataset = write_word_problems(str(tmp_path / "problems.jsonl"), 72)
-
-    short = ["--model", smollm2_dir(), "--dataset", dataset, "--steps", "1",
+    them), or the data the recipe ships."""
+    short = ["--model", smollm2_dir(), "--steps", "1",
              "--prompts-per-step", "1", "--G", "2", "--micro-batch-size", "2",
              "--max-new-tokens", "8", "--eval-size", "2", "--eval-every", "0"]
+    if name not in SHIPPED:
+        short += ["--dataset", write_word_problems(str(tmp_path / "problems.jsonl"), 72)]
     if name == "smollm2_learn.yaml":  # its punishment ramps over the last 16 tokens
         short += ["--overlong-buffer", "4"]
     _, output, records = run_train(["--config", os.path.join(ROOT, "recipes", name), *short],
                                    tmp_path / "out", timeout=600)
     assert [r["step"] for r in records] == [0, 1], output[-2000:]
     assert records[1]["loss"] == records[1]["loss"]  # not NaN
+    if name in SHIPPED:
+        assert "engine ToolEngine" in output and SHIPPED[name] in records[1], output[-2000:]
+
+
+def test_the_shipped_data_is_what_its_script_writes(tmp_path):
+    """recipes/data/make.py is deterministic, and the files in the repo are its
+    output: neither changed without the other."""
+    subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "data", "make.py"),
+                    str(tmp_path)], check=True, capture_output=True)
+
+    for name in ("products.jsonl", "guess_number.jsonl"):
+        with open(os.path.join(ROOT, "recipes", "data", name), "rb") as f:
+            shipped = f.read()
+        assert (tmp_path / name).read_bytes() == shipped, name
