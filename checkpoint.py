@@ -74,9 +74,9 @@ def run_config(args, world):
     Not the speed or logging ones.
     """
     skip = ("steps", "eval_every", "eval_size", "save_every", "keep_last", "resume",
-            "out_dir", "wandb", "threads", "engine", "vllm_memory", "vllm_url",
-            "loss_impl", "micro_batch_size", "reward_timeout", "eval_reward",
-            "eval_samples", "eval_k")
+            "out_dir", "wandb", "report_to", "project", "threads", "engine", "vllm_memory",
+            "vllm_url", "vllm_api_key", "loss_impl", "micro_batch_size", "reward_timeout",
+            "eval_reward", "eval_samples", "eval_k", "log_completions")
     shared = {k: v for k, v in vars(args).items() if k not in skip}
     return shared | dict(world_size=world)
 

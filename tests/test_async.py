@@ -1,13 +1,14 @@
-"""--async (one-step-off-policy GRPO in server mode) end to end against a local
-`python server.py` (tests/test_server.py starts it).
+"""--async (one-step-off-policy GRPO in server mode) end to end against vLLM's
+own server: the session's (tests/test_server.py, shared_server).
 
 Every batch after the first is sampled with the weights one update behind the
-trainer's, as the server itself reports (sampler_version, from the version each
-sync names). The ratio is taken against the sampler's log-probs: 1 on the one
-on-policy batch, not after. On 1 rank and 2 (DDP, FSDP2). A kill -9 mid-run
-resumes bit-identically: the next batch, already sampled, is in the checkpoint.
-A server killed mid-run ends the run with RemoteEngine's one line on every rank,
-in seconds. The last test kills the module's server.
+trainer's, as the server itself reports (sampler_version: the version the last
+sync named, read back after the batch). The ratio is taken against the
+sampler's log-probs: 1 on the one on-policy batch, not after. On 1 rank and 2
+(DDP). A kill -9 of the trainer mid-run resumes bit-identically: the next batch,
+already sampled, is in the checkpoint. The server killed mid-run ends the run
+with RemoteEngine's one line, in seconds; restarted on the same port, the run
+resumes against it (the last test: it restarts the session's server).
 
     python -m pytest -q tests/test_async.py
 """
@@ -20,27 +21,24 @@ from safetensors.torch import load_file
 
 from helpers import ROOT, read_metrics, run_train, script_cmd, without_timings
 from test_resume import start_and_kill
-from test_server import start_server
+from test_server import API_KEY, shared_server
 
-# one worker builds the rollout server and the straight run once (--dist
-# loadgroup)
-
-pytestmark = pytest.mark.xdist_group("test_async")
+# one worker starts the session's server (--dist loadgroup): test_server.py's group
+pytestmark = pytest.mark.xdist_group("vllm_server")
 
 STEPS = 6
 
 
 @pytest.fixture(scope="module")
-def server(request, tiny, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("log") / "server.log"
-    return start_server(request, tiny[0], tiny[2], log_path)
+def server(request, tiny):
+    return shared_server(request, tiny)
 
 
 def async_args(tiny, server, steps=STEPS):
-    return ["--model", tiny[0], "--vllm-mode", "server", "--vllm-url", server[1],
-            "--async", "--lr", "3e-4", "--steps", str(steps), "--save-every", "2",
-            "--eval-every", "3", "--eval-size", "16", "--prompts-per-step", "8",
-            "--max-prompt-len", "16"]
+    return ["--model", tiny[0], "--vllm-mode", "server", "--vllm-url", server.url,
+            "--vllm-api-key", API_KEY, "--async", "--lr", "3e-4", "--steps", str(steps),
+            "--save-every", "2", "--eval-every", "3", "--eval-size", "16",
+            "--prompts-per-step", "8", "--max-prompt-len", "16"]
 
 
 @pytest.fixture(scope="module")
@@ -118,72 +116,32 @@ def wait_for_step(run, out_dir, at_step, timeout=180):
         time.sleep(0.05)
 
 
-def run_until_killed(server_proc, args, out_dir, log, nproc, at_step=4):
-    """Start train.py, kill the rollout server once the run logged step at_step
-    -> (exit code, output, seconds from the kill to the trainer's exit)."""
-    run = start_train(args, out_dir, log, nproc)
-    wait_for_step(run, out_dir, at_step)
+def test_server_killed_then_restarted(server, tiny, tmp_path):
+    """Last: 1 rank, --async, the server killed mid-run. The run stops within
+    seconds with the documented one line, not a traceback or a hang; the server
+    restarts on the same port (the start-up weights), and the run resumes from
+    its last checkpoint against it, whose weights the start-up sync puts back."""
+    out = tmp_path / "out"
+    log = tmp_path / "train.log"
+    # would run on for hours
+    run = start_train(async_args(tiny, server, steps=100000), out, log, 1)
+    wait_for_step(run, out, 3)
     assert run.poll() is None, open(log).read()[-3000:]
 
-    server_proc.kill()
+    server.kill()
     start = time.time()
     run.wait(timeout=60)
 
-    return run.returncode, open(log).read(), time.time() - start
-
-
-def test_one_rank_server_killed_then_resumed(request, tiny, tmp_path):
-    """1 rank, --async, its own server killed mid-run: the documented one line
-    (the background batch's error is raised as it is: no process group to
-    gather it over), then a clean resume against a new server."""
-    proc, url = start_server(request, tiny[0], tiny[2], tmp_path / "server.log")
-    out = tmp_path / "out"
-    # would run on for hours
-    args = async_args(tiny, (proc, url), steps=100000)
-
-    log = tmp_path / "train.log"
-    code, output, seconds = run_until_killed(proc, args, out, log, nproc=1)
-
-    assert code != 0 and seconds < 20, output[-3000:]
-    one_line = f"error (rank 0): rollout server {url} did not answer"
-    assert one_line in output, output[-3000:]
+    output = open(log).read()
+    assert run.returncode != 0 and time.time() - start < 20, output[-3000:]
+    assert f"error (rank 0): rollout server {server.url}" in output, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
 
     # --save-every 2
     saved = max(r["step"] for r in read_metrics(out)) // 2 * 2
-    _, url2 = start_server(request, tiny[0], tiny[2], tmp_path / "server2.log")
-    resumed = async_args(tiny, (None, url2), steps=saved + 2)
-
-    _, output, records = run_train(resumed, out)
+    server.restart(tiny[2], tiny[1].config)
+    _, output, records = run_train(async_args(tiny, server, steps=saved + 2), out)
 
     assert f"resuming from {out / 'checkpoints'}" in output, output[-3000:]
     assert [r["step"] for r in records] == list(range(saved + 3)), records
-
-
-def test_two_ranks_fsdp_then_server_killed(server, tiny, tmp_path):
-    """Last: it kills the module's server. 2 trainer ranks with FSDP2 train one
-    step off-policy. Then the server dies mid-run, and every rank stops within
-    seconds with RemoteEngine's one line, not a traceback or a hang."""
-    proc, url = server
-    log = tmp_path / "train.log"
-    out_dir = tmp_path / "out"
-    # would run on for hours
-    args = ["--fsdp", *async_args(tiny, server, steps=100000)]
-
-    run = start_train(args, out_dir, log, 2)
-    wait_for_step(run, out_dir, 4)
-    assert run.poll() is None, open(log).read()[-3000:]
-
-    proc.kill()
-    start = time.time()
-    run.wait(timeout=60)
-
-    out = open(log).read()
-    assert run.returncode != 0 and time.time() - start < 20, out[-3000:]
-    check_staleness([r for r in read_metrics(out_dir) if r["step"] <= 4])
-    for rank in (0, 1):
-        one_line = f"error (rank {rank}): rollout server {url} did not answer"
-        assert one_line in out, out[-3000:]
-
-    # no traceback from train.py (torchrun prints its own summary)
-    assert 'train.py", line' not in out, out[-3000:]
+    check_staleness(records)

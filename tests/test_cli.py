@@ -205,6 +205,7 @@ DEPENDENT_CASES = {
     "--lora-dropout": (["--lora-dropout", "0.1"], "--lora-rank R"),
     "--lora-targets": (["--lora-targets", "q_proj"], "--lora-rank R"),
     "--vllm-url": (["--vllm-url", "http://127.0.0.1:1"], "--vllm-mode server"),
+    "--vllm-api-key": (["--vllm-api-key", "KEY"], "--vllm-mode server"),
     "--vllm-memory with --engine hf":
         (["--engine", "hf", "--vllm-memory", "0.5"], "colocated vLLM"),
     "--dataset-config": (["--dataset-config", "main"], "--dataset"),

