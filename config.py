@@ -140,6 +140,7 @@ add("--min-p", type=number(float, 0, 1), default=0.0,
     help="drop tokens less likely than MIN_P x the likeliest (0: off)")
 add("--repetition-penalty", type=pos, default=1.0,
     help="CTRL's penalty on the prompt's and completion's tokens (1: off)")
+
 add("--engine", default="auto", choices=["auto", "vllm", "hf"],
     help="auto: vLLM when installed")
 add("--vllm-memory", type=number(float, 0, 1, low_open=True), default=0.3,
@@ -281,7 +282,17 @@ add("--resume", default="auto", choices=["auto", "yes", "no"],
     help="auto: continue the out-dir's run if any")
 add("--out-dir", default="out",
     help="metrics.jsonl, metrics.png, checkpoints, final model")
-add("--wandb", default=None, help="also log to this wandb project")
+add("--log-completions", type=number(int, 0), default=0, metavar="N",
+    help="TRL's log_completions: every N steps, each completion (prompt, text, rewards, "
+         "advantage) to completions.jsonl and a few above the progress bar; read them "
+         "with `python completions.py show OUT_DIR` (0: off)")
+add("--report-to", nargs="+", default=None, choices=["wandb", "trackio", "tensorboard", "none"],
+    help="TRL's report_to: also log each step's record to these dashboards (report.py); "
+         "none: to none")
+add("--project", default="tinygrpo",
+    help="--report-to trackio or wandb: the dashboards' project (TRL's project)")
+add("--wandb", default=None, metavar="PROJECT",
+    help="--report-to wandb --project PROJECT (the older spelling)")
 
 # --- runtime
 add("--seed", type=number(int, 0), default=0)
@@ -301,7 +312,8 @@ add("--config", default=None, metavar="FILE.yaml",
 
 
 def parse_args(argv=None):
-    """The flags: a --config file's, then the command line's over them."""
+    """The flags: a --config file's, then the command line's over them. TRL's
+    names (a GRPOConfig file, `trl grpo`'s flags): trl_names.py, docs/trl.md."""
     if argv is None:
         argv = sys.argv[1:]
     argv = list(argv)
@@ -312,8 +324,17 @@ def parse_args(argv=None):
     find.add_argument("--config")
     find.error = fail
     given, _ = find.parse_known_args(argv)
+    # a name that is none of these flags (TRL's: GRPOConfig's fields, `trl grpo`'s
+    # flags) hands the run to trl_names.py, which reads it with TRL's meaning
+    if any(word.split("=")[0] not in parser._option_string_actions
+           for word in argv if word.startswith("--")):
+        import trl_names
+        return trl_names.parse_args(argv)
     if given.config:
         words = recipe_words(given.config)
+        if words is None:
+            import trl_names
+            return trl_names.parse_args(argv)
         # its values checked alone first, so that an error names the file
         parser.error = lambda message: fail(f"--config {given.config}: {message}")
         try:
@@ -324,12 +345,16 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def recipe_words(path):
+def recipe_words(path, skip=None):
     """A recipe file's flags as command-line words. Each key is a flag, dashes
     or underscores (G: --G); a list is a flag's values; a switch is true or
     false; null leaves a flag at its default; a value starting with ~/ is in
     the home folder, as a shell would read it. Bad input stops the run in one
-    line: a file that is not there or not YAML, an unknown flag, a wrong type."""
+    line: a file that is not there or not YAML, an unknown flag, a wrong type.
+
+    A key that is no flag makes it None: the file may be TRL's (trl_names.py),
+    which reads it again with skip(key) true for TRL's fields, and stops on a key
+    that is neither TRL's nor a flag."""
     import yaml
 
     try:
@@ -347,13 +372,18 @@ def recipe_words(path):
              f"got a {type(fields).__name__}")
 
     options = {s: a for a in parser._actions for s in a.option_strings}
+    flags = {s for s in options if s not in ("--config", "--help")}
+    if skip is None and any("--" + str(key).replace("_", "-") not in flags for key in fields):
+        return None
     words = []
     for key, value in fields.items():
+        if skip and skip(key):
+            continue
         flag = "--" + str(key).replace("_", "-")
         action = options.get(flag)
-        if action is None or flag in ("--config", "--help"):
+        if flag not in flags:
             fail(f"--config {path}: unknown field {key!r}: not a flag of train.py "
-                 f"(python train.py --help)")
+                 f"(python train.py --help), nor a field of TRL's GRPOConfig (docs/trl.md)")
         if value is None:
             continue
 
@@ -507,6 +537,8 @@ DEPENDS_ON = {
     "entropy_coef_delta": (lambda a: a.adaptive_entropy, "--adaptive-entropy"),
     "entropy_coef_min": (lambda a: a.adaptive_entropy, "--adaptive-entropy"),
     "entropy_coef_max": (lambda a: a.adaptive_entropy, "--adaptive-entropy"),
+    "project": (lambda a: a.wandb or {"trackio", "wandb"} & set(a.report_to or ()),
+                "--report-to trackio or wandb"),
 }
 
 
@@ -676,10 +708,23 @@ def check_flags(args):
          f"in [--entropy-coef-min, --entropy-coef-max] = [{args.entropy_coef_min}, "
          f"{args.entropy_coef_max}]"),
 
+        # --report-to: TRL's "none" reports nowhere; --wandb names its own project
+        (not args.report_to or "none" not in args.report_to or len(args.report_to) == 1,
+         f"--report-to {' '.join(args.report_to or ())}: none reports nowhere: give it "
+         f"alone, or drop it"),
+        (not (args.wandb and args.project != parser.get_default("project")),
+         f"--wandb {args.wandb} is --report-to wandb --project {args.wandb}: give the "
+         f"project once"),
+
         # the filters keep the likeliest token only: sampling is greedy
         (args.top_k != 1 and args.min_p < 1,
          "--top-k 1 and --min-p 1 keep only the likeliest token: a group's G "
          "completions would never differ; give --top-k >= 2 (0: off) or --min-p < 1"),
+
+        (args.log_completions <= args.steps,
+         f"--log-completions {args.log_completions} logs one step in "
+         f"{args.log_completions}, and the run has --steps {args.steps}: none would be "
+         f"logged; give N <= --steps"),
     ]
     for ok, msg in checks:
         if not ok:

@@ -10,7 +10,9 @@ are then the conversation of assistant and tool turns.
 
 compute_rewards stacks F of them into (N, F), NaN for None (advantage.py skips
 it), each run in a thread under --reward-timeout. score does it for a rollout,
-and stops every rank if one fails.
+and stops every rank if one fails. TRL's extra keywords (trainer_state,
+log_metric, log_extra) and `async def` functions: reward_extras.py, which
+train.py loads only for a user's function that takes them.
 
 Built-ins, by name (REWARD_FUNCS): accuracy_reward and reasoning_accuracy_reward
 (math-verify), think_format_reward, exact_match_reward, final_number_reward

@@ -75,7 +75,7 @@ import task
 from advantage import compute_advantages, dynamic_sampling
 from batch import UpdateBatch, high_entropy_mask, policy_entropies, unique_rows
 from common import (barrier, ddp, fail, in_background, mark, master,
-                    print0, rank, require, result_everywhere, seed_all, setup, startup_line,
+                    print0, rank, result_everywhere, seed_all, setup, startup_line,
                     step_line, world)
 from loss import LossSettings, choose_impl, policy_loss
 from metrics import step_metrics
@@ -127,9 +127,13 @@ try:
                                                  log=print0)
 except ValueError as e:
     fail(str(e))
-wandb = None
-if args.wandb:
-    wandb = require("wandb", "--wandb needs the wandb package: pip install wandb")
+# --report-to, --wandb: the dashboards (report.py). Every rank checks their
+# packages before the heavy work; rank 0 reports
+reporter = None
+if args.report_to or args.wandb:
+    import report
+
+    reporter = report.open(args, saved)
 
 # -----------------------------------------------------------------------------
 # Setup: data, model, reference, optimizer, rollout engine, the resumed state
@@ -183,6 +187,10 @@ try:
         args.dataset, digits=args.task_digits, eval_size=args.eval_size, seed=args.seed,
         config=args.dataset_config, split=args.split, eval_split=args.eval_split,
         prompt_column=args.prompt_column, solution_column=args.solution_column)
+    if getattr(args, "trl_epochs", None):  # TRL's num_train_epochs: --steps from the rows
+        import trl_names
+
+        trl_names.resolve_epochs(args, len(train_rows))
     prompt_limit = data.prompt_limit(args.max_prompt_len, args.max_new_tokens,
                                      context_len)
     # the built-in task's prompts stay raw; a dataset's go through the chat template
@@ -326,9 +334,6 @@ if kv_bytes:
 if args.repetition_penalty != 1:
     print0("--repetition-penalty: the sampler's log-probs are penalized, the trainer's are "
            "not (model.py): the IS ratio counts the penalty as off-policy")
-wandb_run = None
-if wandb and master:
-    wandb_run = wandb.init(project=args.wandb, config=vars(args))
 
 
 def sample(consumed):
@@ -563,20 +568,42 @@ def mix_reference(reference, policy, alpha):
 
 # -----------------------------------------------------------------------------
 # The GRPO loop
+opt_steps_total = args.steps * args.num_iterations * (n_local // minibatch)
+# TRL's reward extras (reward_extras.py): trainer_state, log_metric, log_extra and
+# `async def` rewards, for a user's function that takes them (ours never do: the
+# modules in reward_extras.OURS). install swaps in a score, an evaluate and a
+# dynamic_sampling that pass and collect them
+reward_logs = None  # what they logged; a completions log reads reward_logs.extra_columns
+if any(getattr(fn, "__module__", None) not in ("reward", "task")
+       for fn in [*reward_funcs, eval_func]):
+    import reward_extras
+
+    reward_logs, score, evaluate, dynamic_sampling = reward_extras.install(
+        reward_funcs, eval_func, score, evaluate, dynamic_sampling,
+        progress=lambda: (opt_step, consumed), train_prompts=len(train_rows),
+        batch_prompts=args.prompts_per_step, max_steps=opt_steps_total)
 metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
 metrics_file = None
 if master:
     append_after = start_step if resume_from else None  # a resume keeps the steps before
     metrics_file = checkpoint.open_metrics(metrics_path, append_after)
+# --log-completions N: every N-th step's completions to completions.jsonl, cut
+# back as metrics.jsonl on a resume (completions.py)
+if args.log_completions:
+    import completions
+
+    completions_file = completions.open_log(args.out_dir, start_step if resume_from else None)
+    reward_names = completions.reward_names(reward_funcs, args.rewards)
 if not resume_from:
     record = dict(step=0, **evaluate())
     print0(step_line(record))
     if master:
         metrics_file.write(json.dumps(record) + "\n")
+    if reporter:
+        reporter.log(record, 0)
     mark("first evaluation")
 print0(startup_line(t_launch))
 
-opt_steps_total = args.steps * args.num_iterations * (n_local // minibatch)
 t_start = time.time()
 bar = tqdm(range(start_step + 1, args.steps + 1), initial=start_step, total=args.steps,
            disable=not master, dynamic_ncols=True)
@@ -719,16 +746,34 @@ for step in bar:
     record.update({f"time_{k}": v for k, v in times.items()})
     record["tokens_per_s"] = lengths.sum().item() * world / times["rollout"]
     record["elapsed"] = time.time() - t_start
+
     if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
         record.update(evaluate())
+    # the rewards' log_metric values: each the mean over the step's calls and the
+    # ranks (a collective), by the name given, as TRL's
+    if reward_logs is not None:
+        record.update(reward_logs.step_metrics(record))
+
+    # --log-completions N: each completion of every rank, before the step's record
+    # and checkpoint, so that a checkpoint's steps are whole in the file (a collective)
+    if args.log_completions and step % args.log_completions == 0:
+        extras = None  # log_extra's columns, where reward_extras.py scored the step
+        if reward_logs is not None:
+            extras = reward_logs.extra_columns
+        mine = completions.step_rows(step, rows, rollout, rewards[rank * N:(rank + 1) * N],
+                                     advantages, lengths, args.reward_weights, reward_names,
+                                     extras)
+        completions.log(completions_file, step, mine, reporter)
+
     if master:
         metrics_file.write(json.dumps(record) + "\n")
         metrics_file.flush()
         bar.set_postfix(reward=f"{record['reward_mean']:.3f}",
                         loss=f"{record['loss']:.4f}")
         tqdm.write(step_line(record, times))  # above the bar
-        if wandb_run:
-            wandb_run.log(record, step=step)
+        if reporter:
+            reporter.log(record, step)
+
     if step % args.save_every == 0 or step == args.steps:
         trainer_state = dict(step=step, opt_step=opt_step, prompts_consumed=consumed,
                              entropy_coef=entropy_coef, last_entropy=last_entropy,
@@ -754,6 +799,8 @@ if master:
         print0(f"plot: {plot.plot_metrics(metrics_path)}")
     except ImportError as e:
         print0(f"no plot ({e}): pip install matplotlib")
+    if reporter:
+        reporter.close()
 # rank 0 was saving and plotting: tear down together, or a rank exits mid-handshake
 barrier()
 # before destroy_process_group: vLLM's shutdown uses the group (and may destroy it)

@@ -27,7 +27,8 @@ from rollout import HFEngine
 # the engines' seed: both loops draw the same uniforms from it
 SEED = 3
 # the optional features' modules: a default run imports none of them
-FEATURE_MODULES = ("tools", "tool_format", "environment", "sandbox", "server", "lora")
+FEATURE_MODULES = ("tools", "tool_format", "environment", "sandbox", "server", "lora",
+                   "report", "completions", "reward_extras")
 
 
 def flags(*argv):
