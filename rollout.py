@@ -235,6 +235,10 @@ def cpu_kv_cache_bytes(config, max_model_len, dtype, ram_fraction, max_num_seqs=
     # whole blocks: a sequence holds its own
     tokens = math.ceil(KV_MARGIN * max_num_seqs) * -(-row // block) * block
     tokens = max(tokens, -(-length // block) * block)
+    # and one more: vLLM's block pool keeps its first block as the null block,
+    # which holds no tokens (without it a cache of exactly one max_model_len row
+    # is refused at start-up)
+    tokens += block
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     need = tokens * 2 * text.num_hidden_layers * heads * head_dim * itemsize  # K and V
     return int(min(need, ram_fraction * ram))

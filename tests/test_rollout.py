@@ -519,7 +519,7 @@ def test_the_cpu_kv_cache_is_sized_to_the_work():
     """SmolLM2-135M's shape (30 layers, 3 KV heads of 64, 8,192 positions): vLLM's
     default 256 sequences at the full context would take 23 GiB of fp32 KV
     cache. A step of 16 rows of 576 tokens takes 20 rows (+25%) of 640 (whole
-    blocks of 128)."""
+    blocks of 128), and one block more: vLLM's null block."""
     from transformers import LlamaConfig
 
     config = LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
@@ -536,8 +536,8 @@ def test_the_cpu_kv_cache_is_sized_to_the_work():
     default = cpu_kv_cache_bytes(config, None, torch.float32, 1e6)
     capped = cpu_kv_cache_bytes(config, None, torch.float32, 0.01)
 
-    assert work == 20 * 640 * per_token  # 0.12 GiB
-    assert short == 20 * 256 * per_token and one == 640 * per_token
-    assert default == 320 * 8192 * per_token
+    assert work == (20 * 640 + 128) * per_token  # 0.12 GiB
+    assert short == (20 * 256 + 128) * per_token and one == (640 + 128) * per_token
+    assert default == (320 * 8192 + 128) * per_token
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert capped == int(0.01 * ram)
