@@ -92,6 +92,34 @@ def test_a_missing_recipe_file_stops_in_one_line(tmp_path, capsys):
     assert "cannot read it" in line and str(missing) in line
 
 
+@pytest.mark.parametrize("field, line", [
+    ("chat_template: {tmp}/no.jinja", "--chat-template {tmp}/no.jinja: no such file"),
+    ("model: {tmp}/no_model", "--model '{tmp}/no_model': no such directory"),
+])
+def test_a_recipe_naming_a_missing_file_stops_in_one_line(tmp_path, capsys, field, line):
+    """The rules check the flags a file gave as the command line's."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("dataset: x.jsonl\n" + field.format(tmp=tmp_path) + "\n")
+    with pytest.raises(SystemExit) as e:
+        parsed(["--config", str(recipe)])
+    assert e.value.code == 2
+
+    captured = capsys.readouterr()
+    lines = [x for x in (captured.out + captured.err).splitlines() if x.strip()]
+    assert len(lines) == 1 and line.format(tmp=tmp_path) in lines[0], lines
+
+
+def test_a_recipe_naming_a_missing_dataset_stops_in_one_line(tmp_path):
+    """A dataset file is looked for where the rows load: one line, no traceback."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"dataset: {tmp_path}/no_rows.jsonl\nsteps: 1\n")
+    code, output, _ = run_train(["--config", str(recipe)], tmp_path / "out", check=False)
+
+    assert code == 2, output[-2000:]
+    assert f"dataset file not found: {tmp_path}/no_rows.jsonl" in output
+    assert "Traceback" not in output
+
+
 # the real-checkpoint tier, as tests/test_real_model.py: skipped where its model
 # file is not installed (the Makefile installs it), on the worker that converts it
 @pytest.mark.skipif(missing() is not None, reason=missing() or "")

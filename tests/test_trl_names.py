@@ -17,6 +17,7 @@ import pytest
 import config
 import trl_names
 from helpers import ENV, ROOT, run_train
+from real_model import missing, smollm2_dir, write_word_problems
 
 SEED = """\
 per_device_train_batch_size: 2
@@ -148,6 +149,31 @@ def test_the_trl_grpo_command_line(model_and_data, capsys):
     # TRL renders a prompt without a system prompt
     assert args.system_prompt == ""
     assert args.lr == 1e-6 and args.dtype == "bfloat16"
+
+
+@pytest.mark.skipif(missing() is not None, reason=missing() or "")
+@pytest.mark.xdist_group("real_model")
+def test_the_trl_grpo_command_line_trains_a_step(tmp_path):
+    """`trl grpo`'s command line with train.py in its place, end to end:
+    SmolLM2-135M-Instruct (tests/real_model.py) on word problems, vLLM sampling
+    (use_vllm) in bf16 (TRL's default), only the batch, lengths and steps made a
+    CPU's. With TRL's max_prompt_length 512 and a few short rows, vLLM's cache is
+    one max-length row: the case that needs its null block counted (rollout.py)."""
+    data = write_word_problems(str(tmp_path / "problems.jsonl"), 24)
+    argv = ["--model_name_or_path", smollm2_dir(), "--dataset_name", data,
+            "--reward_funcs", "accuracy_reward", "think_format_reward",
+            "--reward_weights", "1.0", "0.1", "--use_vllm", "true",
+            "--dataset_test_split", "train[:2]", "--per_device_train_batch_size", "2",
+            "--num_generations", "2", "--max_completion_length", "8", "--max_steps", "1"]
+    _, output, records = run_train(argv, tmp_path / "out", timeout=600)
+
+    assert [r["step"] for r in records] == [0, 1], output[-2000:]
+    assert "engine VLLMEngine" in output and "loss_type dapo" in output
+    saved = json.load(open(tmp_path / "out" / "run.json"))
+    assert (saved["rewards"], saved["reward_weights"]) == (
+        ["accuracy_reward", "think_format_reward"], [1.0, 0.1])
+    # TRL's importance-sampling correction, on where vLLM samples
+    assert (saved["dtype"], saved["is_correction"]) == ("bfloat16", "sequence_mask")
 
 
 def test_our_recipe_files_never_load_trl_names():
