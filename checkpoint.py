@@ -76,7 +76,9 @@ def run_config(args, world):
     skip = ("steps", "eval_every", "eval_size", "save_every", "keep_last", "resume",
             "out_dir", "wandb", "report_to", "project", "threads", "engine", "vllm_memory",
             "vllm_url", "vllm_api_key", "loss_impl", "micro_batch_size", "reward_timeout",
-            "eval_reward", "eval_samples", "eval_k", "log_completions")
+            "eval_reward", "eval_samples", "eval_k", "log_completions",
+            # a resume may lower it: the batches now too stale are dropped (staleness.py)
+            "max_staleness")
     shared = {k: v for k, v in vars(args).items() if k not in skip}
     return shared | dict(world_size=world)
 
