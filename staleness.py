@@ -72,13 +72,13 @@ class AheadSampler:
         """Ask for the batch at offset, after the draws asked before."""
         before = self.last
 
-        def after_before():
+        def in_turn():
             if before is not None:
                 # its error is raised where its batch is taken
                 before.exception()
             return self.sample(offset)
 
-        self.batches[offset] = self.last = in_background(after_before)
+        self.batches[offset] = self.last = in_background(in_turn)
 
     def take(self, offset, policy_version):
         """The batch at offset, for the trainer at policy_version (this step's
@@ -139,9 +139,13 @@ class AheadSampler:
         by offset, for the checkpoint (simplification 3)."""
         return {offset: future.result() for offset, future in sorted(self.batches.items())}
 
-    def load_state_dict(self, pending):
-        """A checkpoint's batches, trained when their steps come. Its staleness
-        bound may have been higher: take() drops what is now too stale."""
+    def load_state_dict(self, pending, next_offset):
+        """A checkpoint's batches, trained when their steps come; next_offset:
+        the next step's prompts. Its staleness bound may have been higher: take()
+        drops what is now too stale."""
+        if isinstance(pending, tuple):
+            # a checkpoint of --async before this file: the next step's batch
+            pending = {next_offset: pending}
         for offset, batch in sorted((pending or {}).items()):
             self.batches[offset] = done(batch)
         print0(f"resumed with {len(self.batches)} batch(es) drawn ahead "

@@ -612,7 +612,7 @@ if args.max_staleness is not None:
     sampler = staleness.AheadSampler(sample, args.max_staleness, args.prompts_per_step,
                                      args.steps)
     if resume_from:  # the batches it had drawn ahead
-        sampler.load_state_dict(pending)
+        sampler.load_state_dict(pending, consumed)
 
 t_start = time.time()
 bar = tqdm(range(start_step + 1, args.steps + 1), initial=start_step, total=args.steps,

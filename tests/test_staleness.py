@@ -8,11 +8,17 @@ kill -9 resumes bit-identically (the checkpoint holds the batches drawn
 ahead); resumed with a lower N, the batches now too stale are dropped, said in
 a line, counted (stale_dropped) and redrawn, and every step is logged once.
 
+The sampler alone (AheadSampler, in-process, a stand-in engine): the sync
+never overlaps a draw, draws come in order, and a too-stale batch, also a
+checkpoint's of --async before staleness.py, is dropped and redrawn.
+
     python -m pytest -q tests/test_staleness.py
 """
 import shutil
+import time
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from helpers import run_train, without_timings
@@ -21,6 +27,88 @@ from test_server import API_KEY, shared_server
 
 # one worker starts the session's server (--dist loadgroup): test_server.py's group
 pytestmark = pytest.mark.xdist_group("vllm_server")
+
+
+class StandIn:
+    """An engine with RemoteEngine's versions whose draws take a while; it
+    counts the syncs that came while a draw was in flight."""
+
+    def __init__(self):
+        self.version = 0
+        self.drawing = 0
+        self.overlaps = 0
+        self.drawn = []
+
+    def sample(self, offset):
+        self.drawing += 1
+        time.sleep(0.02)
+        self.drawn.append(offset)
+        self.drawing -= 1
+        return [offset], None, self.version, 0.02
+
+    def sync_weights(self, model):
+        self.overlaps += self.drawing
+        self.version += 1
+        return dict(seconds=0.0)
+
+
+def train_loop(sampler, engine, steps, start=1):
+    """train.py's order: take, (update), sync -> each step's (record, times)."""
+    steps_done = []
+    for step in range(start, steps + 1):
+        rows, _, version, _ = sampler.take((step - 1) * 8, step - 1)
+        assert rows == [(step - 1) * 8]
+        times = {}
+        sampler.sync(engine, None, times)
+        record = sampler.step_metrics(step - 1 - version, torch.device("cpu"))
+        steps_done.append((dict(record, sampler_version=version), times))
+    return steps_done
+
+
+@pytest.mark.parametrize("n", [0, 1, 3])
+def test_sampler_alone_draws_in_order_never_during_a_sync(n):
+    from staleness import AheadSampler
+
+    engine = StandIn()
+    sampler = AheadSampler(engine.sample, n, prompts_per_step=8, steps=6)
+    steps = train_loop(sampler, engine, 6)
+
+    assert engine.overlaps == 0
+    assert engine.drawn == [8 * k for k in range(6)]
+    assert [r["sampler_version"] for r, _ in steps] == [max(0, j - 1 - n) for j in range(1, 7)]
+    assert [r["staleness_max"] for r, _ in steps] == [min(j - 1, n) for j in range(1, 7)]
+    assert all(r["stale_dropped"] == 0 for r, _ in steps)
+    # a wait where batches were drawn ahead: none with n = 0, none at the last step
+    assert ["wait" in t for _, t in steps] == [n > 0 and j < 6 for j in range(1, 7)]
+    assert sampler.state_dict() == {}
+
+
+def test_sampler_alone_drops_and_redraws(capsys):
+    """Resumed at step 3 with --max-staleness 1 from batches 3 and 4 drawn by
+    versions 0 and 1 (a run with 2), and from an older --async checkpoint's one
+    batch (a tuple)."""
+    from staleness import AheadSampler
+
+    engine = StandIn()
+    engine.version = 2
+    sampler = AheadSampler(engine.sample, 1, prompts_per_step=8, steps=6)
+    sampler.load_state_dict({16: ([16], None, 0, 0.0), 24: ([24], None, 1, 0.0)}, 16)
+    steps = train_loop(sampler, engine, 6, start=3)
+
+    assert [r["stale_dropped"] for r, _ in steps] == [1, 1, 0, 0]
+    assert [r["sampler_version"] for r, _ in steps] == [2, 3, 3, 4]
+    assert engine.drawn == [16, 24, 32, 40]
+    out = capsys.readouterr().out
+    assert "resumed with 2 batch(es) drawn ahead (--max-staleness 1)" in out
+    assert "dropped the batch at prompt 24: sampled by weights version 1, 2 behind" in out
+
+    engine = StandIn()
+    engine.version = 2
+    old = AheadSampler(engine.sample, 1, prompts_per_step=8, steps=6)
+    old.load_state_dict(([16], None, 1, 0.0), 16)
+    (record, _), = train_loop(old, engine, 3, start=3)
+    assert record["stale_dropped"] == 0 and record["staleness_max"] == 1
+    assert engine.drawn == [24]
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +140,18 @@ def check_versions(records, n, dropped=()):
 
 def test_zero_takes_turns(server, tiny, tmp_path):
     """--max-staleness 0: each batch sampled by the weights it trains, nothing
-    drawn ahead (no wait for it), the ratio 1 (on-policy, as server mode
-    without the flag)."""
+    drawn ahead (no wait for it), the ratio 1: server mode without the flag,
+    record for record."""
     _, _, records = run_train(server_args(tiny, server, 3, "--max-staleness", "0"),
-                              tmp_path)
+                              tmp_path / "zero")
+    _, _, plain = run_train(server_args(tiny, server, 3), tmp_path / "plain")
 
     check_versions(records, 0)
     assert all("time_wait" not in r for r in records), records
     assert all(r["ratio_mean"] == 1 for r in records[1:]), records
+    new = ("staleness_mean", "staleness_max", "stale_dropped")
+    assert [{k: v for k, v in r.items() if k not in new}
+            for r in without_timings(records)] == without_timings(plain)
 
 
 def test_async_is_max_staleness_1(server, tiny, tmp_path):
