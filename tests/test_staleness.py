@@ -210,3 +210,12 @@ def test_kill_resume_exact_then_lower_bound_drops(two_behind, server, tiny, tmp_
     for offset, version in ((16, 0), (24, 1)):
         assert (f"dropped the batch at prompt {offset}: sampled by weights version "
                 f"{version}, 2 behind") in out, out[-3000:]
+
+
+def test_two_ranks(server, tiny, tmp_path):
+    """2 trainer ranks (DDP), --max-staleness 2: each rank's batches carry the
+    versions one rank's do, the staleness all-reduced over them."""
+    _, _, records = run_train(server_args(tiny, server, 4, "--max-staleness", "2"), tmp_path,
+                              nproc=2)
+
+    check_versions(records, 2)
