@@ -12,8 +12,9 @@ They are written so that a crash never passes for one.
         reference.pt    with --sync-ref-every: the reference's weights, which
                         TR-DPO moves away from the initial model
         rng_rank{R}.pt  rank R's RNG states (python, numpy, torch, cuda), engine
-                        state, and with --async its next batch, already sampled
-                        (a resumed run trains on it too)
+                        state, and with --max-staleness (--async) the batches
+                        drawn ahead, by prompt offset (a resumed run trains on
+                        them too: staleness.py)
         complete.json   written last: the size of every file above
 
 An out-dir holds one run: run.json (its configuration, written at its start),
@@ -76,7 +77,9 @@ def run_config(args, world):
     skip = ("steps", "eval_every", "eval_size", "save_every", "keep_last", "resume",
             "out_dir", "wandb", "report_to", "project", "threads", "engine", "vllm_memory",
             "vllm_url", "vllm_api_key", "loss_impl", "micro_batch_size", "reward_timeout",
-            "eval_reward", "eval_samples", "eval_k", "log_completions")
+            "eval_reward", "eval_samples", "eval_k", "log_completions",
+            # a resume may lower it: the batches now too stale are dropped (staleness.py)
+            "max_staleness")
     shared = {k: v for k, v in vars(args).items() if k not in skip}
     return shared | dict(world_size=world)
 
@@ -293,8 +296,8 @@ def save(root, step, model, optimizer, engine, tokenizer, trainer_state, keep_la
          device, pending=None, reference=None):
     """Write checkpoint step_N under root. A collective.
 
-    Every rank writes its RNG file (and pending: this rank's next batch, with
-    --async), FSDP2 gathers the shards, and rank 0 writes the rest. reference:
+    Every rank writes its RNG file (and pending: this rank's batches drawn
+    ahead, with --max-staleness), FSDP2 gathers the shards, and rank 0 writes the rest. reference:
     the reference model when it is no longer the initial one (--sync-ref-every),
     else None.
     """
@@ -363,7 +366,7 @@ def restore(path, saved, model, optimizer, engine, device, reference=None):
     """Load the LoRA adapter (if any), the optimizer, this rank's RNG and engine states.
 
     And into reference (--sync-ref-every), the reference's weights: save() wrote
-    them. -> (step, optimizer step, prompts consumed, save()'s pending batch or
+    them. -> (step, optimizer step, prompts consumed, save()'s pending batches or
     None). Call it after the engine is built: vLLM's start-up reseeds the global
     RNGs.
     """

@@ -157,7 +157,10 @@ add("--vllm-url", default=None,
 add("--vllm-api-key", default=None, metavar="KEY",
     help="server mode: the server's --api-key (sent as Authorization: Bearer KEY)")
 add("--async", dest="async_", action="store_true",
-    help="server mode: sample the next batch during this update")
+    help="server mode: sample the next batch during this update (--max-staleness 1)")
+add("--max-staleness", type=number(int, 0), default=None, metavar="N",
+    help="server mode: sample batches during the updates, up to N weight versions "
+    "behind the trainer; older ones are dropped and redrawn (0: take turns; staleness.py)")
 add("--tools", nargs="+", default=None,
     help="python: ToRL, each completion's ```python blocks run, the output spliced "
     "in; or function tools by import path, module.fn ... (tools.py)")
@@ -510,6 +513,7 @@ DEPENDS_ON = {
     "lora_targets": (lambda a: a.lora_rank > 0, "--lora-rank R"),
     "vllm_url": (lambda a: a.vllm_mode == "server", "--vllm-mode server"),
     "vllm_api_key": (lambda a: a.vllm_mode == "server", "--vllm-mode server"),
+    "max_staleness": (lambda a: a.vllm_mode == "server", "--vllm-mode server"),
     "vllm_memory": (colocated_vllm, COLOCATED_VLLM),
     "vllm_sleep": (colocated_vllm, COLOCATED_VLLM),
     "dataset_config": (lambda a: a.dataset is not None, "--dataset"),
@@ -681,6 +685,12 @@ def check_flags(args):
         (not (args.async_ and args.dynamic_sampling),
          "--async samples one round ahead; --dynamic-sampling's extra rounds "
          "would sample in step with the update: use one of them"),
+        (not (args.async_ and args.max_staleness is not None),
+         f"--async is --max-staleness 1: give one of --async and --max-staleness "
+         f"{args.max_staleness}"),
+        (not (args.max_staleness is not None and args.dynamic_sampling),
+         "--max-staleness draws one round a step; --dynamic-sampling's extra rounds "
+         "would be drawn in step with the update: use one of them"),
         (args.eval_samples or not args.eval_k,
          "--eval-k needs --eval-samples n: pass@k is estimated from n sampled "
          "completions per held-out prompt"),
@@ -737,8 +747,11 @@ def check_flags(args):
 def resolve_aliases(args):
     """Set the flags an older flag stands for, in place (after check_flags).
 
-    --tis-cap C is --is-correction token_truncate --is-max C.
+    --tis-cap C is --is-correction token_truncate --is-max C. --async is
+    --max-staleness 1.
     """
+    if args.async_:
+        args.max_staleness = 1
     if args.tis_cap:
         args.is_correction = "token_truncate"
         args.is_max = args.tis_cap

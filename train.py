@@ -35,7 +35,8 @@ Simplifications (each is a choice, not an accident):
 2. old_logps are recomputed by the trainer only when the update can go
    off-policy: mu > 1, several minibatches, or --is-correction. Otherwise the
    ratio is exactly 1 and only its gradient matters: clipping never fires, as
-   in nanochat's chat_rl.py. With --async they are the sampler's.
+   in nanochat's chat_rl.py. With --max-staleness N >= 1 (--async: 1) they
+   are the sampler's (README: --async).
 3. The reference model (beta > 0) is the initial policy, frozen (LoRA: the
    policy with its adapters off); with --sync-ref-every N it moves toward the
    policy every N optimizer steps (TR-DPO). The LR schedule is a linear warmup,
@@ -74,8 +75,8 @@ import data
 import task
 from advantage import compute_advantages, dynamic_sampling
 from batch import UpdateBatch, high_entropy_mask, policy_entropies, unique_rows
-from common import (barrier, ddp, fail, in_background, mark, master,
-                    print0, rank, result_everywhere, seed_all, setup, startup_line,
+from common import (barrier, ddp, fail, mark, master,
+                    print0, rank, seed_all, setup, startup_line,
                     step_line, world)
 from loss import LossSettings, choose_impl, policy_loss
 from metrics import step_metrics
@@ -295,7 +296,9 @@ if tool_rows:
 start_step = 0
 opt_step = 0
 consumed = 0  # prompts drawn so far (data.batch_indices)
-ahead = None  # --async: the next batch, sampled while this step trains
+# --max-staleness N, --async (N = 1): the batches drawn up to N steps ahead of the
+# trainer, while it updates (staleness.py)
+sampler = None
 # --sync-ref-every: the reference moves (TR-DPO), so the checkpoints hold it
 moving_reference = ref_model if args.sync_ref_every else None
 # --adaptive-entropy's state: the coefficient, and the entropy of the last
@@ -305,7 +308,7 @@ last_entropy = math.inf
 if args.adaptive_entropy:
     import adaptive_entropy
 if resume_from:  # RNG states last: the engine's start-up reseeds torch
-    start_step, opt_step, consumed, ahead = checkpoint.restore(
+    start_step, opt_step, consumed, pending = checkpoint.restore(
         resume_from, saved, raw_model, optimizer, engine, device, moving_reference)
     entropy_coef = saved["entropy_coef"]
     last_entropy = saved["last_entropy"]
@@ -431,7 +434,7 @@ def prepare_update(rollout, prompts, advantages):
     # the ratio's denominator; None: on-policy, the ratio is 1 (simplification 2)
     is_corrected = loss_settings.is_correction != "off"  # against the sampler's log-probs
     old_logps = None  # (N, T)
-    if args.async_ and not is_corrected:  # the behaviour policy's (README: --async)
+    if args.max_staleness and not is_corrected:  # the behaviour policy's (README: --async)
         old_logps = sampling_logps
     elif args.num_iterations > 1 or minibatch < N or is_corrected:  # off-policy
         old_logps = sequence_logps(forward, raw_model, prompts, completion_ids, **by_micro,
@@ -460,7 +463,7 @@ def prepare_update(rollout, prompts, advantages):
     # log-probs enter the loss.
     trained = torch.arange(N, device=device)  # (n,)
     counts = None  # (N,)
-    uses_sampler = args.async_ or is_corrected or args.off_policy_mask is not None
+    uses_sampler = args.max_staleness or is_corrected or args.off_policy_mask is not None
     if micro == N and not uses_sampler:
         trained, trained_counts = unique_rows(prompts[3], completion_ids, completion_mask,
                                               advantages)
@@ -603,6 +606,13 @@ if not resume_from:
         reporter.log(record, 0)
     mark("first evaluation")
 print0(startup_line(t_launch))
+if args.max_staleness is not None:
+    import staleness
+
+    sampler = staleness.AheadSampler(sample, args.max_staleness, args.prompts_per_step,
+                                     args.steps)
+    if resume_from:  # the batches it had drawn ahead
+        sampler.load_state_dict(pending, consumed)
 
 t_start = time.time()
 bar = tqdm(range(start_step + 1, args.steps + 1), initial=start_step, total=args.steps,
@@ -617,13 +627,12 @@ for step in bar:
     rounds = []
     sampled = None
     while sampled is None:
-        rows, rollout, sampler_version, seconds = ahead or sample(consumed)
+        if sampler:  # drawn ahead; the next ones are asked for now, drawn meanwhile
+            rows, rollout, sampler_version, seconds = sampler.take(consumed, step - 1)
+        else:
+            rows, rollout, sampler_version, seconds = sample(consumed)
         consumed += args.prompts_per_step
-        ahead = None
         t1 = time.time()
-        # --async: ask for the next batch now, score and train meanwhile
-        if args.async_ and step < args.steps:
-            ahead = in_background(sample, consumed)
         rewards = score(reward_funcs, rows, rollout, conversational,
                         args.reward_timeout)  # (N, F)
         rounds.append((rows, rollout, rewards))
@@ -704,12 +713,12 @@ for step in bar:
                 mix_reference(ref_model, raw_model, args.ref_mixup_alpha)
     times["update"] = time.time() - t0
 
-    # 4) push the new weights into the rollout engine (--async: once the next batch is in)
-    if ahead:
-        t0 = time.time()
-        ahead = result_everywhere(ahead)
-        times["wait"] = time.time() - t0  # how long the trainer waited for the next batch
-    synced = engine.sync_weights(model)
+    # 4) push the new weights into the rollout engine (--max-staleness: once the
+    #    batches asked for are in; time_wait is the trainer's wait for them)
+    if sampler:
+        synced = sampler.sync(engine, model, times)
+    else:
+        synced = engine.sync_weights(model)
     times["sync"] = synced["seconds"]
 
     # 5) log one JSON record per step (rank 0); evaluate and checkpoint on schedule
@@ -738,6 +747,8 @@ for step in bar:
         record["sampler_version"] = sampler_version
         record["policy_version"] = step - 1
         record["staleness"] = step - 1 - sampler_version
+    if sampler:  # staleness_mean, staleness_max (all ranks), stale_dropped
+        record.update(sampler.step_metrics(step - 1 - sampler_version, device))
     if device.type == "cuda":
         record["mem_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
     # this process's peak resident memory: the trainer and an in-process engine
@@ -779,7 +790,8 @@ for step in bar:
                              entropy_coef=entropy_coef, last_entropy=last_entropy,
                              config=run_config)
         checkpoint.save(ckpt_root, step, raw_model, optimizer, engine, tokenizer,
-                        trainer_state, args.keep_last, device, ahead, moving_reference)
+                        trainer_state, args.keep_last, device,
+                        sampler and sampler.state_dict(), moving_reference)
 
 # -----------------------------------------------------------------------------
 # The final policy (loadable by transformers, servable by vLLM), the plot, clean-up

@@ -46,6 +46,8 @@ FLAG_CASES = {
          "argument --G: must be >= 2 (a group needs two completions to compare), "
          "got 1"),
     "steps<1": (["--steps", "0"], "argument --steps: must be >= 1, got 0"),
+    "max_staleness<0":
+        (["--max-staleness", "-1"], "argument --max-staleness: must be >= 0, got -1"),
     "mu<1":
         (["--num-iterations", "0"], "argument --num-iterations: must be >= 1, got 0"),
     "unknown loss_type": (["--loss-type", "ppo"], "invalid choice: 'ppo'"),
@@ -167,6 +169,14 @@ RULE_CASES = {
         (["--vllm-mode", "server", "--vllm-url", "http://127.0.0.1:1", "--async",
           "--dynamic-sampling", "2"],
          "--async samples one round ahead"),
+    "async and max staleness":
+        (["--vllm-mode", "server", "--vllm-url", "http://127.0.0.1:1", "--async",
+          "--max-staleness", "2"],
+         "--async is --max-staleness 1: give one of --async and --max-staleness 2"),
+    "max staleness with dynamic sampling":
+        (["--vllm-mode", "server", "--vllm-url", "http://127.0.0.1:1", "--max-staleness",
+          "0", "--dynamic-sampling", "2"],
+         "--max-staleness draws one round a step"),
     "dynamic sampling of 1 round":
         (["--dynamic-sampling", "1"], "--dynamic-sampling 1 draws no second round"),
     "eval_k without eval_samples":
@@ -206,6 +216,7 @@ DEPENDENT_CASES = {
     "--lora-targets": (["--lora-targets", "q_proj"], "--lora-rank R"),
     "--vllm-url": (["--vllm-url", "http://127.0.0.1:1"], "--vllm-mode server"),
     "--vllm-api-key": (["--vllm-api-key", "KEY"], "--vllm-mode server"),
+    "--max-staleness": (["--max-staleness", "0"], "--vllm-mode server"),
     "--vllm-memory with --engine hf":
         (["--engine", "hf", "--vllm-memory", "0.5"], "colocated vLLM"),
     "--dataset-config": (["--dataset-config", "main"], "--dataset"),

@@ -28,7 +28,7 @@ from rollout import HFEngine
 SEED = 3
 # the optional features' modules: a default run imports none of them
 FEATURE_MODULES = ("tools", "tool_format", "environment", "sandbox", "server", "lora",
-                   "report", "completions", "reward_extras")
+                   "report", "completions", "reward_extras", "staleness")
 
 
 def flags(*argv):

@@ -1,0 +1,166 @@
+"""
+Bounded staleness in server mode (TRL 1.19's AsyncGRPOTrainer, max_staleness):
+AheadSampler draws the next batches from vLLM's server while the trainer
+updates, up to N weight versions ahead of it. train.py builds one per rank with
+--max-staleness N (--async is --max-staleness 1); a default run never imports
+this file.
+
+    python train.py --model DIR --vllm-mode server --vllm-url URL --max-staleness 2
+
+Batch j (1, 2, ...) holds the prompts at offset (j - 1) x --prompts-per-step
+(data.batch_indices) and is trained at step j, from weights version j - 1 (the
+version the last sync named: server.RemoteEngine). When the trainer takes
+batch j, the sampler is asked for the batches up to j + N; the sync after the
+step waits for them. So batch j is sampled by version max(0, j - 1 - N) and is
+exactly min(j - 1, N) versions stale:
+- N = 0: sampling and training take turns (server mode without the flag);
+- N = 1: today's --async (verl's one-step-off-policy): batch j + 1 is sampled
+  while step j updates, with the weights before it.
+A batch more than N versions behind the trainer when taken is dropped, said in
+one line, counted in the step's record (stale_dropped) and redrawn (the same
+prompts, the current weights). That happens when a run resumes with a lower
+--max-staleness than its checkpoint's batches were drawn with.
+
+Tests: python -m pytest -q tests/test_staleness.py tests/test_async.py
+
+Simplifications:
+1. One draw at a time per rank, in the order asked (a chain of background
+   calls, each waiting for the one before). vLLM batches the ranks' requests,
+   and each draw's prompts already go out many at once (server.py).
+2. A sync never overlaps a draw of its rank: sync() first waits for every draw
+   asked so far, and no draw is asked for until the next take. Two reasons: a
+   draw during the reload would mix two weight versions in one batch, under
+   the one version the server reports after it; and which weights sampled a
+   batch would depend on timing, not on the step. The price: when the sampler
+   is the slower side, the trainer waits at the sync for it (time_wait), as it
+   would at the next take. What it buys: each batch's version is a function of
+   its step, so runs repeat bit for bit and resume exactly.
+3. The checkpoint (after the sync: no draw in flight) holds the drawn batches
+   not yet trained, each with its version; a resumed run trains on them. One
+   that resumes with a lower --max-staleness drops those now too stale, at
+   their take, and redraws them.
+4. Staleness is in weight versions (one per step's sync), as TRL's. With one
+   batch a step and every rank's batch drawn in step, the step's mean and max
+   over ranks are equal; both are logged, as all-reduced.
+"""
+import time
+from concurrent.futures import Future
+
+import torch
+import torch.distributed as dist
+
+from common import ddp, in_background, print0, result_everywhere
+
+
+class AheadSampler:
+    def __init__(self, sample, max_staleness, prompts_per_step, steps):
+        """sample(offset) -> (rows, rollout, weight version, seconds): one
+        batch of train.py's, the prompts at offset. max_staleness: N. The
+        last batch is at offset (steps - 1) x prompts_per_step."""
+        self.sample = sample
+        self.max_staleness = max_staleness
+        self.prompts_per_step = prompts_per_step
+        self.steps = steps
+        # offset -> a Future of its batch: drawn, or being drawn
+        self.batches = {}
+        # the last draw asked for: the next waits for it (simplification 1)
+        self.last = None
+        # batches dropped since the last record
+        self.dropped = 0
+
+    def draw(self, offset):
+        """Ask for the batch at offset, after the draws asked before."""
+        before = self.last
+
+        def in_turn():
+            if before is not None:
+                # its error is raised where its batch is taken
+                before.exception()
+            return self.sample(offset)
+
+        self.batches[offset] = self.last = in_background(in_turn)
+
+    def take(self, offset, policy_version):
+        """The batch at offset, for the trainer at policy_version (this step's
+        weights). Asks for the batches up to N steps ahead; drops and redraws
+        one more than N versions behind (each rank takes the same verdict:
+        their batches are drawn in step)."""
+        if offset not in self.batches:
+            self.draw(offset)
+
+        while True:
+            batch = result_everywhere(self.batches.pop(offset))
+            lag = policy_version - batch[2]
+            if lag <= self.max_staleness:
+                break
+            self.dropped += 1
+            print0(f"dropped the batch at prompt {offset}: sampled by weights version "
+                   f"{batch[2]}, {lag} behind the trainer's {policy_version}, more than "
+                   f"--max-staleness {self.max_staleness}; redrawn")
+            self.draw(offset)
+
+        # the batches up to N steps ahead, the last step's included
+        last = (self.steps - 1) * self.prompts_per_step
+        ahead = offset + self.max_staleness * self.prompts_per_step
+        for later in range(offset + self.prompts_per_step, min(ahead, last) + 1,
+                           self.prompts_per_step):
+            if later not in self.batches:
+                self.draw(later)
+        return batch
+
+    def sync(self, engine, model, times):
+        """engine.sync_weights(model) once every draw asked for is in
+        (simplification 2) -> its result. times["wait"]: the seconds the
+        trainer waited for them, where batches are drawn ahead."""
+        if self.batches:
+            times["wait"] = wait_for(self.last)
+        # one verdict on every rank for each batch drawn ahead (the same count
+        # on every rank)
+        for offset in sorted(self.batches):
+            result_everywhere(self.batches[offset])
+        return engine.sync_weights(model)
+
+    def step_metrics(self, lag, device):
+        """The step's staleness (versions) over all ranks, and the batches
+        dropped since the last record."""
+        totals = torch.tensor([float(lag), 1.0], device=device, dtype=torch.float64)
+        worst = torch.tensor([float(lag)], device=device, dtype=torch.float64)
+        if ddp:
+            dist.all_reduce(totals)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+
+        metrics = dict(staleness_mean=(totals[0] / totals[1]).item(),
+                       staleness_max=worst.item(), stale_dropped=self.dropped)
+        self.dropped = 0
+        return metrics
+
+    def state_dict(self):
+        """The batches drawn and not yet trained (after a sync: none in flight),
+        by offset, for the checkpoint (simplification 3)."""
+        return {offset: future.result() for offset, future in sorted(self.batches.items())}
+
+    def load_state_dict(self, pending, next_offset):
+        """A checkpoint's batches, trained when their steps come; next_offset:
+        the next step's prompts. Its staleness bound may have been higher: take()
+        drops what is now too stale."""
+        if isinstance(pending, tuple):
+            # a checkpoint of --async before this file: the next step's batch
+            pending = {next_offset: pending}
+        for offset, batch in sorted((pending or {}).items()):
+            self.batches[offset] = done(batch)
+        print0(f"resumed with {len(self.batches)} batch(es) drawn ahead "
+               f"(--max-staleness {self.max_staleness})")
+
+
+def done(result):
+    """A Future that holds result."""
+    future = Future()
+    future.set_result(result)
+    return future
+
+
+def wait_for(future):
+    """Seconds until future is done (its error, if any, is raised at its take)."""
+    t0 = time.time()
+    future.exception()
+    return time.time() - t0
