@@ -79,15 +79,6 @@ def open_log(out_dir, keep_until, log=print):
     return open_metrics(path, keep_until, log=log)
 
 
-def reward_names(reward_funcs, flags):
-    """The reward functions' names, as train.py logs them (reward/<name>).
-
-    flags: --rewards, for a function without a __name__ (a reward model).
-    """
-    return [getattr(fn, "__name__", None) or flags[f]
-            for f, fn in enumerate(reward_funcs)]
-
-
 def prompt_text(prompt):
     """A row's prompt -> text: a string as it is, a conversation as its messages."""
     if isinstance(prompt, str):
@@ -126,19 +117,20 @@ def step_rows(step, rows, rollout, rewards, advantages, lengths, weights, names,
             raise ValueError(f"log_extra column {column!r} has {len(values)} values for "
                              f"{N} completions")
 
+    # imported here, not at the top: the viewer runs without torch
+    from advantage import total_rewards
+
     scores = rewards.tolist()  # (N, F)
+    # the weighted sum of the rewards given, as the advantage sees it; NaN: none given
+    totals = total_rewards(rewards, weights).tolist()  # (N,)
     advantages = advantages.tolist()  # (N,)
     lengths = lengths.tolist()  # (N,)
     finished = rollout.is_finished.tolist()  # (N,)
 
     out = []
     for i in range(N):
-        # the weighted sum of the rewards given (advantage.total_rewards)
-        given = [(w, r) for w, r in zip(weights, scores[i]) if not math.isnan(r)]
-        total = sum(w * r for w, r in given) if given else None
-
         row = dict(step=step, prompt=prompt_text(rows[i]["prompt"]),
-                   completion=rollout.texts[i], reward=total)
+                   completion=rollout.texts[i], reward=finite(totals[i]))
         for name, r in zip(names, scores[i]):
             row[f"reward/{name}"] = finite(r)
         row["advantage"] = advantages[i]

@@ -245,6 +245,9 @@ def get_soft_overlong_punishment(max_completion_len, soft_punish_cache):
     return soft_overlong_punishment
 
 
+# the modules of our own reward functions: none takes TRL's extras, so a run of
+# only these never imports reward_extras.py (train.py's door)
+OUR_MODULES = ("reward", "task")
 REWARD_FUNCS = {
     fn.__name__: fn
     for fn in (accuracy_reward, reasoning_accuracy_reward, think_format_reward,

@@ -55,8 +55,6 @@ from common import all_ranks_ok, collective_device, ddp, fail, world
 
 # the keywords TRL adds to the batch's columns (GRPOTrainer._calculate_rewards)
 EXTRAS = ("trainer_state", "log_metric", "log_extra")
-# the modules of our own reward functions (train.py's door checks the same): they get none
-OURS = ("reward", "task")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +100,7 @@ def is_async(fn):
 def plan(fn):
     """fn's Plan: ours get nothing; a user's function the EXTRAS it takes,
     awaited if async."""
-    if getattr(fn, "__module__", None) in OURS:
+    if getattr(fn, "__module__", None) in reward.OUR_MODULES:
         return Plan((), False)
 
     return Plan(tuple(k for k in EXTRAS if takes(fn, k)), is_async(fn))

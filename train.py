@@ -84,6 +84,7 @@ from model import (Forward, load_model, load_reference, load_tokenizer, pad_id, 
                    sequence_logps, truncate_logits, wrap_ddp)
 from reduction import kept_mask, minibatch_tokens
 from reward import (
+    OUR_MODULES,
     final_number_reward,
     get_reward_funcs,
     get_soft_overlong_punishment,
@@ -183,6 +184,10 @@ try:
     if not reward_funcs:
         raise ValueError("no reward: pass --rewards, or an --environment whose class "
                          "defines get_reward")
+    # each reward's name in the records (reward/<name>); --rewards' word for one
+    # without a __name__
+    reward_names = [getattr(fn, "__name__", None) or args.rewards[f]
+                    for f, fn in enumerate(reward_funcs)]
 
     train_rows, eval_rows = data.load_rows(
         args.dataset, digits=args.task_digits, eval_size=args.eval_size, seed=args.seed,
@@ -574,10 +579,10 @@ def mix_reference(reference, policy, alpha):
 opt_steps_total = args.steps * args.num_iterations * (n_local // minibatch)
 # TRL's reward extras (reward_extras.py): trainer_state, log_metric, log_extra and
 # `async def` rewards, for a user's function that takes them (ours never do: the
-# modules in reward_extras.OURS). install swaps in a score, an evaluate and a
+# modules in reward.OUR_MODULES). install swaps in a score, an evaluate and a
 # dynamic_sampling that pass and collect them
 reward_logs = None  # what they logged; a completions log reads reward_logs.extra_columns
-if any(getattr(fn, "__module__", None) not in ("reward", "task")
+if any(getattr(fn, "__module__", None) not in OUR_MODULES
        for fn in [*reward_funcs, eval_func]):
     import reward_extras
 
@@ -596,7 +601,6 @@ if args.log_completions:
     import completions
 
     completions_file = completions.open_log(args.out_dir, start_step if resume_from else None)
-    reward_names = completions.reward_names(reward_funcs, args.rewards)
 if not resume_from:
     record = dict(step=0, **evaluate())
     print0(step_line(record))
@@ -655,8 +659,7 @@ for step in bar:
                                                   args.G, args.scale_rewards,
                                                   aggregation=args.reward_aggregation)
     advantages = advantages[rank * N:(rank + 1) * N].to(device)  # (N,) this rank's slice
-    for f, fn in enumerate(reward_funcs):  # "reward/0" -> "reward/exact_match_reward"
-        name = getattr(fn, "__name__", None) or args.rewards[f]
+    for f, name in enumerate(reward_names):  # "reward/0" -> "reward/exact_match_reward"
         reward_stats[f"reward/{name}"] = reward_stats.pop(f"reward/{f}")
     times["reward"] += time.time() - t0
 
