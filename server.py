@@ -7,6 +7,7 @@ the server runs on other cores, GPUs or nodes. The lines (README: Server mode):
     A$ VLLM_SERVER_DEV_MODE=1 PYTHONPATH=. python -m vllm.entrypoints.openai.api_server \\
            --model DIR --dtype float32 --enforce-eager --max-model-len 2048 \\
            --kv-cache-memory-bytes 1073741824 --logprobs-mode processed_logprobs \\
+           --no-enable-chunked-prefill \\
            --worker-extension-cls worker_extension.WeightSync --port 8000 --api-key KEY
     B$ python train.py --model DIR --vllm-mode server \\
            --vllm-url http://127.0.0.1:8000 --vllm-api-key KEY
@@ -292,6 +293,15 @@ class RemoteEngine(Engine):
         if info["logprobs_mode"] != "processed_logprobs":
             refuse(f"returns {info['logprobs_mode']}, not the sampler's: start it with "
                    f"--logprobs-mode processed_logprobs")
+
+        # vLLM 0.32's CPU worker rewinds a seeded request's generator after a
+        # chunk of prefill, which a CPU generator cannot do: the engine dies
+        # ("CPU Generator does not use offset") once requests arrive while others
+        # decode. Every request of ours carries a seed (simplification 2)
+        if info.get("device") == "cpu" and info.get("chunked_prefill"):
+            refuse("runs on CPU with chunked prefill, where vLLM 0.32 fails seeded "
+                   "requests whose prompt is split (CPU Generator does not use "
+                   "offset): start it with --no-enable-chunked-prefill")
 
         if model_config is not None:
             ours = {k: getattr(model_config, k, None) for k in CONFIG_FIELDS}

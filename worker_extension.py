@@ -40,7 +40,9 @@ class WeightSync:
                     dtype=str(config.dtype).removeprefix("torch."),
                     max_model_len=config.max_model_len,
                     logprobs_mode=config.logprobs_mode,
-                    weight_transfer=getattr(weight_transfer, "backend", None))
+                    weight_transfer=getattr(weight_transfer, "backend", None),
+                    device=str(self.vllm_config.device_config.device_type),
+                    chunked_prefill=bool(self.vllm_config.scheduler_config.enable_chunked_prefill))
         return info
 
     def tinygrpo_reload(self, path):

@@ -23,6 +23,7 @@ MODES = {
     "_trl_real": ("trl_real", "trl_run"),
     "real": ("real", "bench_real"),
     "learn": ("learn", "bench_learn"),
+    "overlap": ("overlap", "bench_overlap"),
     "decode": ("decode", "bench_decode"),
     # learn: the TRL side, in the subprocesses it starts
     "_trl_learn": ("learn", "trl_learn"),
@@ -68,10 +69,10 @@ def parse_args():
 
     # trl mode
     add("--seeds", type=int, nargs="+", default=None,
-        help="trl (default 0): one comparison per seed; learn (default 0 1)")
+        help="trl (default 0): one comparison per seed; learn, overlap (default 0 1)")
     add("--steps", type=int, default=None,
         help="trl: GRPO steps of each run (default: train.py's); gpu: the train "
-        "section's steps (default 20)")
+        "section's steps (default 20); overlap: each run's (default 20)")
     add("--no-vllm", action="store_true",
         help="trl: leave out train.py --engine vllm")
     add("--eval-every", type=int, default=25,
@@ -86,7 +87,7 @@ def parse_args():
     # learn mode
     add("--no-trl", action="store_true", help="learn: train.py's runs only")
     add("--plot", default=None,
-        help="learn: the PNG written (default: in its work folder)")
+        help="learn, overlap: the PNG written (default: in its work folder)")
 
     # sameness mode
     add("--only", nargs="+", default=None, metavar="NAME",
@@ -115,7 +116,7 @@ def main():
     if args.max_minutes is None:
         args.max_minutes = 15.0 if args.mode == "learn" else 8.0
     if args.seeds is None:
-        args.seeds = [0, 1] if args.mode == "learn" else [0]
+        args.seeds = [0, 1] if args.mode in ("learn", "overlap") else [0]
     if args.mode != "gpu":
         args.repeats = args.repeats or 5
 

@@ -90,7 +90,7 @@ class VLLMServer:
                "--model", self.model_dir, "--host", "127.0.0.1", "--port", str(self.port),
                "--api-key", API_KEY, "--dtype", "float32", "--enforce-eager",
                "--max-model-len", "64", "--kv-cache-memory-bytes", str(16 << 20),
-               "--logprobs-mode", "processed_logprobs",
+               "--logprobs-mode", "processed_logprobs", "--no-enable-chunked-prefill",
                "--worker-extension-cls", "worker_extension.WeightSync", "--seed", "0",
                "--uvicorn-log-level", "warning"]
         env = {**ENV, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": REPO}
@@ -408,10 +408,12 @@ class FakeServer:
 
 def test_refused_misstarted_server(server, tiny):
     """Each in one line: a server without dev mode, without the worker
-    extension, or with raw log-probs (vLLM's replies, replayed)."""
+    extension, with raw log-probs, or on CPU with chunked prefill (vLLM's
+    replies, replayed)."""
     from server import RemoteEngine
 
     raw = dict(client(server, tiny).info, logprobs_mode="raw_logprobs")
+    chunked = dict(client(server, tiny).info, chunked_prefill=True)
     no_method = ("Call to collective_rpc method failed: Worker failed with error "
                  "''CPUWorker' object has no attribute 'tinygrpo_model_info'', please "
                  "check the stack trace above for the root cause")
@@ -424,6 +426,8 @@ def test_refused_misstarted_server(server, tiny):
         (200, dict(results=[raw]),
          "returns raw_logprobs, not the sampler's: start it with --logprobs-mode "
          "processed_logprobs"),
+        (200, dict(results=[chunked]),
+         "runs on CPU with chunked prefill, .* start it with --no-enable-chunked-prefill"),
     ]
     for status, reply, match in cases:
         fake = FakeServer(status, reply)
