@@ -161,6 +161,10 @@ add("--async", dest="async_", action="store_true",
 add("--max-staleness", type=number(int, 0), default=None, metavar="N",
     help="server mode: sample batches during the updates, up to N weight versions "
     "behind the trainer; older ones are dropped and redrawn (0: take turns; staleness.py)")
+add("--partial-rollouts", action="store_true",
+    help="with --max-staleness N >= 1: a sync pauses the draws in flight and they go on "
+    "with the new weights, each token's version logged (needs the server's "
+    "--enable-scale-out; staleness.py)")
 add("--tools", nargs="+", default=None,
     help="python: ToRL, each completion's ```python blocks run, the output spliced "
     "in; or function tools by import path, module.fn ... (tools.py)")
@@ -514,6 +518,8 @@ DEPENDS_ON = {
     "vllm_url": (lambda a: a.vllm_mode == "server", "--vllm-mode server"),
     "vllm_api_key": (lambda a: a.vllm_mode == "server", "--vllm-mode server"),
     "max_staleness": (lambda a: a.vllm_mode == "server", "--vllm-mode server"),
+    "partial_rollouts": (lambda a: a.max_staleness or a.async_,
+                         "--max-staleness N >= 1 (or --async)"),
     "vllm_memory": (colocated_vllm, COLOCATED_VLLM),
     "vllm_sleep": (colocated_vllm, COLOCATED_VLLM),
     "dataset_config": (lambda a: a.dataset is not None, "--dataset"),

@@ -56,9 +56,9 @@ Simplifications:
    simplification 2). vLLM seeds a request's n completions seed, seed+1, ...
    A fresh seed per request: a reused one would sample the same completions.
 3. sync_weights opens with a barrier: every rank's generation in flight
-   (train.py --async) is done before rank 0 sends, so no batch mixes two
-   versions, and the prefix cache is reset after the weights. (Pausing
-   generation mid-flight, vLLM's /pause, is for partial rollouts: not here.)
+   (train.py --max-staleness) is done before rank 0 sends, so no batch mixes
+   two versions, and the prefix cache is reset after the weights. Unless
+   --partial-rollouts (6).
 4. A generation names its weights by the version the last sync gave the
    server (/update_weight_version), read back after the batch (/weight_info):
    a server whose version is not the trainer's has restarted, or another
@@ -66,6 +66,17 @@ Simplifications:
 5. A request per prompt, from up to CONCURRENT_REQUESTS threads per rank; the
    server detokenizes what it returns (the OpenAI API has no way out), and we
    read the ids.
+6. --partial-rollouts (verl's partial rollout): a sync pauses the server with
+   the requests kept (POST /pause?mode=keep), loads the weights, resets the
+   prefix cache with the kept requests' KV too (vLLM recomputes it with the
+   new weights as they go on), names the new version, and resumes. Each
+   token's log-prob is then its own version's, given the tokens before it:
+   the loss's IS ratio against the sampler's log-probs (--is-correction) is
+   per token, against the weights that sampled it. Generation goes through
+   vLLM's /inference/v1/generate (the server's --enable-scale-out), whose
+   replies name the version of each span of tokens (VersionedRollout). Which
+   tokens a sync splits depends on timing: such runs do not repeat bit for
+   bit.
 """
 import http.client
 import itertools
@@ -74,17 +85,19 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
 
 from common import in_background, print0, unwrap
 from model import pad_id
-from rollout import Engine, full_named_parameters
+from rollout import Engine, Rollout, full_named_parameters
 
 # at most this many requests in flight per rank; vLLM queues beyond its own
 # batch (--max-num-seqs)
@@ -147,10 +160,17 @@ def error_message(body):
     return error
 
 
+@dataclass
+class VersionedRollout(Rollout):
+    # (N, T) long: the weights version that sampled each token, -1 past the end
+    # (--partial-rollouts; simplification 6)
+    token_versions: torch.Tensor = None
+
+
 class RemoteEngine(Engine):
     def __init__(self, url, tokenizer, *, seed=0, api_key=None, model_config=None,
                  max_len=None, timeout=600.0, wait_s=600.0, snapshot_dir=None,
-                 weight_transfer="auto", nccl_port=None):
+                 weight_transfer="auto", nccl_port=None, partial_rollouts=False):
         """The client of vLLM's server at url (http://host:port).
 
         Waits up to wait_s for it to come up, then checks that it serves the
@@ -160,7 +180,9 @@ class RemoteEngine(Engine):
         weight_transfer: "file" (CPU, simplification 1), "nccl" (GPUs: a server
         started with the nccl backend) or "auto" (nccl when both sides can).
         snapshot_dir: where rank 0 writes the weights' file (default: a new
-        temporary folder). A fault raises ConnectionError, in one line.
+        temporary folder). partial_rollouts: sample through vLLM's
+        /inference/v1/generate, whose replies name the weights version of each
+        token (simplification 6). A fault raises ConnectionError, in one line.
         """
         self.url = url.rstrip("/")
         self.tokenizer = tokenizer
@@ -170,15 +192,21 @@ class RemoteEngine(Engine):
         self.timeout = timeout
         # the version the last sync named
         self.version = None
-        # the server's version for the last generate
-        self.weight_version = None
+        # per thread (a draw ahead and an evaluation may sample at once): the
+        # weight version of its last generate, and its tokens' versions
+        self.local = threading.local()
+        self.partial_rollouts = partial_rollouts
         self.snapshot_dir = snapshot_dir
         self.own_snapshot_dir = False
         self.nccl_port = nccl_port
         self.nccl = None
+        # (path, bytes) of the file stage_weights wrote for the next sync
+        self.staged = None
 
         self.wait_until_up(wait_s)
         self.model_name, self.info = self.check_server(model_config, max_len)
+        if partial_rollouts:
+            self.check_generate_route()
 
         server_nccl = self.info["weight_transfer"] == "nccl"
         if weight_transfer == "auto":
@@ -336,14 +364,39 @@ class RemoteEngine(Engine):
                    f"--max-model-len")
         return name, info
 
+    def check_generate_route(self):
+        """--partial-rollouts samples through /inference/v1/generate: refuse a
+        server without it (vLLM serves it with --enable-scale-out), in one line."""
+        probe = dict(model=self.model_name, token_ids=[0], output_mode="tokens",
+                     sampling_params=dict(max_tokens=1, temperature=0.0, detokenize=False))
+        try:
+            self.request("/inference/v1/generate", probe)
+        except RuntimeError as e:
+            if getattr(e, "status", None) not in (403, 404):
+                raise
+            raise ConnectionError(f"rollout server {self.url} does not serve "
+                                  f"/inference/v1/generate, which --partial-rollouts "
+                                  f"samples through (each token's weights version): "
+                                  f"start it with --enable-scale-out") from None
+
     # -------------------------------------------------------------------------
     # generation
+
+    @property
+    def weight_version(self):
+        """The weights that sampled this thread's last generate (under
+        --partial-rollouts: its oldest token's); None before any named sync."""
+        return getattr(self.local, "weight_version", None)
 
     def sample(self, prompt_ids, n, max_new_tokens, rng_seed, temperature=1.0,
                top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0):
         """One /v1/completions request per prompt, many at once. Every sampling
         setting is sent: the server's defaults (the model's
         generation_config.json) must not apply."""
+        if self.partial_rollouts:
+            return self.sample_versioned(prompt_ids, n, max_new_tokens, rng_seed,
+                                         temperature=temperature, top_p=top_p, top_k=top_k,
+                                         min_p=min_p, repetition_penalty=repetition_penalty)
 
         def complete(j):
             body = dict(model=self.model_name, prompt=prompt_ids[j], n=n,
@@ -367,8 +420,75 @@ class RemoteEngine(Engine):
         finished = [c["finish_reason"] == "stop" for c in choices]
 
         # the weights that sampled them (simplification 4)
-        self.weight_version = self.check_version()
+        self.local.weight_version = self.check_version()
         return ids, logps, finished
+
+    def sample_versioned(self, prompt_ids, n, max_new_tokens, rng_seed, **settings):
+        """sample() through /inference/v1/generate (--partial-rollouts): its
+        replies say which weights version sampled each token (vLLM's
+        weight_versions spans), kept for generate() in self.local."""
+
+        def complete(j):
+            params = dict(n=n, max_tokens=max_new_tokens, logprobs=0, detokenize=False,
+                          presence_penalty=0.0, frequency_penalty=0.0,
+                          seed=request_seed(rng_seed, j * n), **settings)
+            params["top_k"] = max(params["top_k"] or 0, 0)
+            body = dict(model=self.model_name, token_ids=prompt_ids[j],
+                        sampling_params=params, output_mode="tokens")
+            choices = self.request("/inference/v1/generate", body)["choices"]
+            return sorted(choices, key=lambda c: c["index"])
+
+        replies = concurrently(complete, range(len(prompt_ids)), CONCURRENT_REQUESTS)
+
+        choices = [c for reply in replies for c in reply]
+        ids = [c["token_ids"] for c in choices]
+        logps = [[t["logprob"] for t in c["logprobs"]["content"]] for c in choices]
+        finished = [c["finish_reason"] == "stop" for c in choices]
+        versions = [self.token_versions(c) for c in choices]
+
+        self.local.token_versions = versions
+        self.local.weight_version = min((min(v) for v in versions if v), default=None)
+        return ids, logps, finished
+
+    def token_versions(self, choice):
+        """A completion's weight_versions spans -> each token's version. A span
+        not named by this trainer's syncs: the server restarted (simplification
+        4), or served before the first sync (None)."""
+        if self.version is None:
+            return [None] * len(choice["token_ids"])
+
+        versions = []
+        for span in choice.get("weight_versions") or []:
+            label = span["version"]
+            if not label.isdigit() or int(label) > self.version:
+                raise ConnectionError(f"rollout server {self.url} sampled with weights "
+                                      f"version {label!r}, not one of the trainer's (up "
+                                      f"to {self.version}): it restarted (or another "
+                                      f"trainer synced it). Resume training from the last "
+                                      f"checkpoint: the trainer sends its weights at "
+                                      f"start-up.")
+            versions += [int(label)] * (span["end"] - span["start"])
+        if len(versions) != len(choice["token_ids"]):
+            raise ConnectionError(f"rollout server {self.url} named the weights of "
+                                  f"{len(versions)} tokens of a completion of "
+                                  f"{len(choice['token_ids'])}: vLLM 0.32's "
+                                  f"/inference/v1/generate expected")
+        return versions
+
+    def generate(self, prompt_ids, G, max_new_tokens, temperature=1.0, **sampling):
+        """rollout.Engine.generate; under --partial-rollouts a VersionedRollout,
+        each sampled token's weights version beside it."""
+        rollout = super().generate(prompt_ids, G, max_new_tokens, temperature, **sampling)
+        if not self.partial_rollouts or temperature == 0 or self.version is None:
+            return rollout
+
+        # n = G completions a prompt, in the rollout's order (Engine.generate)
+        versions = self.local.token_versions
+        token_versions = torch.full(rollout.completion_ids.shape, -1)  # (N, T)
+        for row, each in enumerate(versions):
+            token_versions[row, :len(each)] = torch.tensor(each)
+        return VersionedRollout(**{f.name: getattr(rollout, f.name) for f in fields(rollout)},
+                                token_versions=token_versions)
 
     def check_version(self):
         """The server's weight version: the last sync's, else ConnectionError
@@ -388,10 +508,12 @@ class RemoteEngine(Engine):
     # -------------------------------------------------------------------------
     # weights
 
-    def sync_weights(self, model, version=None):
+    def sync_weights(self, model, version=None, keep_in_flight=False):
         """Send the weights (plain, DDP or FSDP2 model) as `version`, by default
         the last + 1. A collective: every rank gathers (FSDP2) and takes rank 0's
-        verdict (a refused or failed send raises ConnectionError)."""
+        verdict (a refused or failed send raises ConnectionError).
+        keep_in_flight (--partial-rollouts): the generations in flight pause
+        meanwhile and go on with the new weights (simplification 6)."""
         start = time.perf_counter()
         counter = {"bytes": 0}
         distributed = dist.is_initialized() and dist.get_world_size() > 1
@@ -403,19 +525,31 @@ class RemoteEngine(Engine):
             version = self.version + 1
         self.version = version
 
-        # every rank's generation in flight is done (simplification 3)
+        # every rank's generation in flight is done (simplification 3), or
+        # paused (6)
         if distributed:
             dist.barrier()
+        paused = False
         try:
+            if rank == 0 and keep_in_flight:
+                self.request("/pause?mode=keep", {})
+                paused = True
             send = self.send_nccl if self.weight_transfer == "nccl" else self.send_file
             with torch.no_grad():
                 send(model, rank, counter)
             if rank == 0:
-                self.reset_prefix_cache()
+                self.reset_prefix_cache(recompute_running=keep_in_flight)
             if rank == 0 and version is not None:
                 self.request("/update_weight_version", dict(new_version=str(version)))
         except Exception as e:
             error = [e]
+        finally:
+            # never leave the server paused: a refused send keeps it serving
+            if paused:
+                try:
+                    self.request("/resume", {})
+                except Exception as e:
+                    error = [error[0] or e]
 
         if distributed:
             # rank 0's verdict, to every rank (and the closing barrier)
@@ -425,41 +559,47 @@ class RemoteEngine(Engine):
 
         return dict(seconds=time.perf_counter() - start, bytes=counter["bytes"])
 
-    def reset_prefix_cache(self, wait_s=30.0):
+    def reset_prefix_cache(self, wait_s=30.0, recompute_running=False):
         """Drop the KV entries the old weights computed. vLLM refuses while
-        requests hold blocks (another client's): retry for a while."""
+        requests hold blocks (another client's): retry for a while.
+        recompute_running: the paused requests' too, which vLLM then recomputes
+        with the new weights before they go on (simplification 6)."""
         deadline = time.monotonic() + wait_s
-        while not self.request("/reset_prefix_cache", {})["success"]:
+        path = "/reset_prefix_cache"
+        if recompute_running:
+            path += "?reset_running_requests=true"
+        while not self.request(path, {})["success"]:
             if time.monotonic() > deadline:
                 raise ConnectionError(f"rollout server {self.url} kept refusing to reset "
                                       f"its prefix cache for {wait_s:.0f} s: requests of "
                                       f"another client in flight? One server, one trainer")
             time.sleep(0.1)
 
+    def stage_weights(self, model):
+        """Write the weights' file now, for the next sync_weights to load: the
+        trainer writes it while the server still samples the batches drawn
+        ahead (staleness.AheadSampler.sync). The file path only (NCCL sends at
+        the sync). A collective (FSDP2 gathers)."""
+        if self.weight_transfer != "file":
+            return
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        counter = {"bytes": 0}
+        with torch.no_grad():
+            path = self.write_file(model, dist.get_rank() if distributed else 0, counter)
+        self.staged = (path, counter["bytes"])
+
     def send_file(self, model, rank, counter):
         """Simplification 1: the full state dict as one safetensors file, which
-        the server's workers reload (worker_extension.WeightSync.tinygrpo_reload)."""
-        from safetensors.torch import save_file
-
-        tensors = {}
-        seen = set()
-        dtype = getattr(torch, self.info["dtype"])
-        # FSDP2: a collective
-        for name, tensor in full_named_parameters(model, counter, dtype):
-            if rank == 0:
-                # tied weights share storage, which safetensors refuses: copy the
-                # second
-                tensor = tensor.cpu()
-                tensors[name] = tensor.clone() if tensor.data_ptr() in seen else tensor
-                seen.add(tensor.data_ptr())
+        the server's workers reload (worker_extension.WeightSync.tinygrpo_reload).
+        The file stage_weights wrote, if it did."""
+        if self.staged is not None:
+            path, counter["bytes"] = self.staged
+            self.staged = None
+        else:
+            path = self.write_file(model, rank, counter)
         if rank != 0:
             return
 
-        if self.snapshot_dir is None:
-            self.snapshot_dir = tempfile.mkdtemp(prefix="tinygrpo-weights-")
-            self.own_snapshot_dir = True
-        path = os.path.abspath(os.path.join(self.snapshot_dir, "weights.safetensors"))
-        save_file(tensors, path)
         try:
             self.rpc("tinygrpo_reload", path)
         except ConnectionError as e:
@@ -474,6 +614,32 @@ class RemoteEngine(Engine):
         finally:
             # the server holds them now
             os.remove(path)
+
+    def write_file(self, model, rank, counter):
+        """The full state dict in the server's dtype -> the path of the
+        safetensors file rank 0 wrote (None on the other ranks)."""
+        from safetensors.torch import save_file
+
+        tensors = {}
+        seen = set()
+        dtype = getattr(torch, self.info["dtype"])
+        # FSDP2: a collective
+        for name, tensor in full_named_parameters(model, counter, dtype):
+            if rank == 0:
+                # tied weights share storage, which safetensors refuses: copy the
+                # second
+                tensor = tensor.cpu()
+                tensors[name] = tensor.clone() if tensor.data_ptr() in seen else tensor
+                seen.add(tensor.data_ptr())
+        if rank != 0:
+            return None
+
+        if self.snapshot_dir is None:
+            self.snapshot_dir = tempfile.mkdtemp(prefix="tinygrpo-weights-")
+            self.own_snapshot_dir = True
+        path = os.path.abspath(os.path.join(self.snapshot_dir, "weights.safetensors"))
+        save_file(tensors, path)
+        return path
 
     def send_nccl(self, model, rank, counter):
         """vLLM's trainer-side NCCL engine (vllm/distributed/weight_transfer/

@@ -21,6 +21,15 @@ one line, counted in the step's record (stale_dropped) and redrawn (the same
 prompts, the current weights). That happens when a run resumes with a lower
 --max-staleness than its checkpoint's batches were drawn with.
 
+--partial-rollouts (verl's partial rollout): the sync does not wait for the
+draws in flight. It pauses them on the server, sends the weights, and they go
+on with the new ones (server.py simplification 6), so a batch's later tokens
+are fresher than its first. Each token's version comes back with it; the
+step's staleness is then over tokens (staleness_mean, staleness_max: its
+oldest token), partial_share is the share of completions whose tokens two or
+more versions sampled, and the drop rule looks at the oldest token. The price:
+which tokens a sync splits depends on timing, so runs do not repeat bit for bit.
+
 Tests: python -m pytest -q tests/test_staleness.py tests/test_async.py
 
 Simplifications:
@@ -34,7 +43,10 @@ Simplifications:
    batch would depend on timing, not on the step. The price: when the sampler
    is the slower side, the trainer waits at the sync for it (time_wait), as it
    would at the next take. What it buys: each batch's version is a function of
-   its step, so runs repeat bit for bit and resume exactly.
+   its step, so runs repeat bit for bit and resume exactly. The trainer's
+   share of the sync comes first: it writes the weights' file
+   (server.RemoteEngine.stage_weights, time_stage) while the server still
+   samples; the server's reload alone falls between two draws.
 3. The checkpoint (after the sync: no draw in flight) holds the drawn batches
    not yet trained, each with its version; a resumed run trains on them. One
    that resumes with a lower --max-staleness drops those now too stale, at
@@ -53,14 +65,18 @@ from common import ddp, in_background, print0, result_everywhere
 
 
 class AheadSampler:
-    def __init__(self, sample, max_staleness, prompts_per_step, steps):
+    def __init__(self, sample, max_staleness, prompts_per_step, steps, partial=False):
         """sample(offset) -> (rows, rollout, weight version, seconds): one
         batch of train.py's, the prompts at offset. max_staleness: N. The
-        last batch is at offset (steps - 1) x prompts_per_step."""
+        last batch is at offset (steps - 1) x prompts_per_step. partial:
+        --partial-rollouts (the rollouts then carry token_versions)."""
         self.sample = sample
         self.max_staleness = max_staleness
         self.prompts_per_step = prompts_per_step
         self.steps = steps
+        self.partial = partial
+        # the last batch taken, under partial: token_staleness()
+        self.token_lag = None
         # offset -> a Future of its batch: drawn, or being drawn
         self.batches = {}
         # the last draw asked for: the next waits for it (simplification 1)
@@ -98,6 +114,8 @@ class AheadSampler:
                    f"{batch[2]}, {lag} behind the trainer's {policy_version}, more than "
                    f"--max-staleness {self.max_staleness}; redrawn")
             self.draw(offset)
+        if self.partial and getattr(batch[1], "token_versions", None) is not None:
+            self.token_lag = token_staleness(batch[1].token_versions, policy_version)
 
         # the batches up to N steps ahead, the last step's included
         last = (self.steps - 1) * self.prompts_per_step
@@ -111,8 +129,16 @@ class AheadSampler:
     def sync(self, engine, model, times):
         """engine.sync_weights(model) once every draw asked for is in
         (simplification 2) -> its result. times["wait"]: the seconds the
-        trainer waited for them, where batches are drawn ahead."""
+        trainer waited for them, where batches are drawn ahead. Under
+        --partial-rollouts at once: the draws in flight pause meanwhile."""
+        if self.partial:
+            return engine.sync_weights(model, keep_in_flight=True)
+
         if self.batches:
+            # the trainer writes the weights while the server samples
+            t0 = time.time()
+            engine.stage_weights(model)
+            times["stage"] = time.time() - t0
             times["wait"] = wait_for(self.last)
         # one verdict on every rank for each batch drawn ahead (the same count
         # on every rank)
@@ -123,14 +149,20 @@ class AheadSampler:
     def step_metrics(self, lag, device):
         """The step's staleness (versions) over all ranks, and the batches
         dropped since the last record."""
-        totals = torch.tensor([float(lag), 1.0], device=device, dtype=torch.float64)
-        worst = torch.tensor([float(lag)], device=device, dtype=torch.float64)
+        # staleness summed, over how many, the completions, how many are split
+        sums, largest = [float(lag), 1.0, 0.0, 0.0], float(lag)
+        if self.token_lag is not None:  # --partial-rollouts: over the tokens
+            sums, largest = self.token_lag
+        totals = torch.tensor(sums, device=device, dtype=torch.float64)
+        worst = torch.tensor([largest], device=device, dtype=torch.float64)
         if ddp:
             dist.all_reduce(totals)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
 
         metrics = dict(staleness_mean=(totals[0] / totals[1]).item(),
                        staleness_max=worst.item(), stale_dropped=self.dropped)
+        if self.token_lag is not None:
+            metrics["partial_share"] = (totals[3] / totals[2]).item()
         self.dropped = 0
         return metrics
 
@@ -150,6 +182,19 @@ class AheadSampler:
             self.batches[offset] = done(batch)
         print0(f"resumed with {len(self.batches)} batch(es) drawn ahead "
                f"(--max-staleness {self.max_staleness})")
+
+
+def token_staleness(versions, policy_version):
+    """(N, T) the version of each sampled token, -1 past each end (server.py's
+    VersionedRollout) -> ([their staleness summed, the tokens, the completions,
+    those two or more versions sampled], the largest staleness)."""
+    sampled = versions >= 0  # (N, T)
+    lag = (policy_version - versions)[sampled]  # (tokens,)
+    oldest = versions.masked_fill(~sampled, policy_version + 1).amin(1)  # (N,)
+    split = versions.amax(1) > oldest  # (N,)
+    largest = lag.max().item() if lag.numel() else 0
+    sums = [lag.sum().item(), lag.numel(), versions.shape[0], split.sum().item()]
+    return [float(x) for x in sums], float(largest)
 
 
 def done(result):

@@ -258,7 +258,7 @@ if args.vllm_mode == "server":  # a rollout server on other machines (server.py)
     # it waits for the server, then checks it serves this model and these rows
     engine = RemoteEngine(args.vllm_url, tokenizer, seed=args.seed + rank,
                           api_key=args.vllm_api_key, model_config=raw_model.config,
-                          max_len=row_tokens)
+                          max_len=row_tokens, partial_rollouts=args.partial_rollouts)
     engine_why = "--vllm-mode server"
 else:
     try:
@@ -614,7 +614,7 @@ if args.max_staleness is not None:
     import staleness
 
     sampler = staleness.AheadSampler(sample, args.max_staleness, args.prompts_per_step,
-                                     args.steps)
+                                     args.steps, args.partial_rollouts)
     if resume_from:  # the batches it had drawn ahead
         sampler.load_state_dict(pending, consumed)
 

@@ -24,6 +24,7 @@ MODES = {
     "real": ("real", "bench_real"),
     "learn": ("learn", "bench_learn"),
     "overlap": ("overlap", "bench_overlap"),
+    "server_ranks": ("overlap", "bench_server_ranks"),
     "decode": ("decode", "bench_decode"),
     # learn: the TRL side, in the subprocesses it starts
     "_trl_learn": ("learn", "trl_learn"),

@@ -67,21 +67,27 @@ def start_server(model, work):
            "--model", model, "--port", str(PORT), *SERVER_FLAGS]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": ROOT,
            "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1"}
-    log = open(os.path.join(work, "server.log"), "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+    return started(cmd, ROOT, env, os.path.join(work, "server.log"))
+
+
+def started(cmd, cwd, env, log_path):
+    """Start a server (its own process group) -> its process, once /health at
+    PORT answers."""
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
 
     deadline = time.time() + STARTUP_S
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"vLLM's server exited ({proc.returncode}): see {work}/server.log")
+            raise RuntimeError(f"the server exited ({proc.returncode}): see {log_path}")
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=5)
             return proc
         except OSError:
             time.sleep(2)
     stop(proc)
-    raise RuntimeError(f"vLLM's server did not come up in {STARTUP_S} s: see {work}/server.log")
+    raise RuntimeError(f"the server did not come up in {STARTUP_S} s: see {log_path}")
 
 
 def stop(proc):
@@ -265,3 +271,78 @@ def bench_overlap(args):
         json.dump({run: {str(s): v for s, v in r.items()} for run, r in results.items()}, f)
     print("\n" + report(results, args, steps, eval_every))
     print(f"plot: {png}; figures in {work}/results.json")
+
+
+# -----------------------------------------------------------------------------
+# `python -m bench server_ranks`: 2 trainer ranks against one server, vLLM's
+# own against the one-at-a-time server of OLD_TREE
+
+OLD_TREE = "850674b"  # the last tree with our own HTTP server (server.py)
+
+
+def start_old_server(tree_dir, model, work):
+    """OLD_TREE's `python server.py` on core 0 -> its process, once it answers."""
+    cmd = ["taskset", "-c", "0", sys.executable, "server.py", "--model", model,
+           "--port", str(PORT), "--dtype", "float32", "--max-model-len", "512",
+           "--kv-cache-memory-bytes", str(1 << 30)]
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1"}
+    return started(cmd, tree_dir, env, os.path.join(work, "old_server.log"))
+
+
+def train_two_ranks(tree_dir, name, model, dataset, steps, work, tiny):
+    """train.py of tree_dir on 2 ranks (torchrun, both on core 1) against the
+    server at PORT -> its records."""
+    out = os.path.join(work, name)
+    r = recipe(tiny)
+    # 4 prompts a rank, G completions each
+    flags = train_flags(dict(r, prompts=2 * r["prompts"]), 0, 0)
+    flags[flags.index("--engine") + 1] = "vllm"
+    cmd = ["taskset", "-c", "1", sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node", "2", "train.py", "--model", model, "--dataset", dataset,
+           "--split", f"train[{NUM_EVAL}:]", "--eval-split", f"train[:{NUM_EVAL}]",
+           "--eval-size", str(NUM_EVAL), "--steps", str(steps), "--save-every",
+           str(10 * steps), "--threads", "1", "--out-dir", out, *flags,
+           "--vllm-mode", "server", "--vllm-url", f"http://127.0.0.1:{PORT}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with open(out + ".log", "w") as log:
+        code = subprocess.run(cmd, cwd=tree_dir, env=env, stdout=log,
+                              stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        raise RuntimeError(f"train.py of {tree_dir} failed ({code}): see {out}.log")
+    return read_records(os.path.join(out, "metrics.jsonl"))
+
+
+def bench_server_ranks(args):
+    real_model = real_model_or_exit("bench server_ranks")
+    model = real_model.smollm2_dir()
+    work = tempfile.mkdtemp(prefix="bench_server_ranks_")
+    _, dataset = write_dataset(real_model, work, NUM_EVAL)
+    steps = 2 if args.tiny else (args.steps or 4)
+    old_dir = os.path.join(work, "old_tree")
+    os.makedirs(old_dir)
+    subprocess.run(f"git archive {OLD_TREE} | tar -x -C {old_dir}", shell=True, cwd=ROOT,
+                   check=True)
+    print(f"bench server_ranks: {model}, 2 ranks, {steps} steps a run, the old tree "
+          f"{OLD_TREE} in {old_dir}", flush=True)
+
+    rollouts = {}
+    for name, tree_dir in (("old", old_dir), ("vllm", ROOT)):
+        if name == "old":
+            server = start_old_server(old_dir, model, work)
+        else:
+            server = start_server(model, work)
+        try:
+            records = train_two_ranks(tree_dir, name, model, dataset, steps, work, args.tiny)
+        finally:
+            stop(server)
+        rollouts[name] = [r["time_rollout"] for r in records if r["step"] > 1]
+        print(f"{name}: rollout seconds of steps 2..{steps}: "
+              f"{[round(x, 2) for x in rollouts[name]]}", flush=True)
+
+    old, new = statistics.median(rollouts["old"]), statistics.median(rollouts["vllm"])
+    print(f"\nCommand: `python -m bench server_ranks`. Tree `{tree()}` against `{OLD_TREE}`'s "
+          f"server.py. 2 ranks x {2 * recipe(args.tiny)['prompts'] // 2} prompts x G = "
+          f"{recipe(args.tiny)['G']}, the server on core 0, both ranks on core 1.\n\n"
+          f"| server | median rollout s (steps 2..{steps}) |\n|---|---|\n"
+          f"| ours, one request at a time ({OLD_TREE}) | {old:.2f} |\n"
+          f"| vLLM's own | {new:.2f} |\n\nvLLM's own: {old / new:.2f}x faster sampling")

@@ -4,8 +4,9 @@ loopback, with --api-key, dev mode and worker_extension.WeightSync, serving the
 tiny tied-embedding Qwen2 (head_dim 32).
 
 One server per test session: its start-up (~25-40 s) is paid once. The first
-module that asks starts it (shared_server; tests/test_async.py uses it too), and
-both files run in one xdist group. A test that changes the server's weights
+module that asks starts it (shared_server; tests/test_async.py,
+test_staleness.py and test_partial.py use it too), and they run in one xdist
+group. A test that changes the server's weights
 puts the tiny model's back.
 
 What is checked: the client waits for a server that is starting (and says so),
@@ -91,6 +92,8 @@ class VLLMServer:
                "--api-key", API_KEY, "--dtype", "float32", "--enforce-eager",
                "--max-model-len", "64", "--kv-cache-memory-bytes", str(16 << 20),
                "--logprobs-mode", "processed_logprobs", "--no-enable-chunked-prefill",
+               # /inference/v1/generate, for --partial-rollouts (tests/test_partial.py)
+               "--enable-scale-out",
                "--worker-extension-cls", "worker_extension.WeightSync", "--seed", "0",
                "--uvicorn-log-level", "warning"]
         env = {**ENV, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": REPO}

@@ -46,6 +46,9 @@ class StandIn:
         self.drawing -= 1
         return [offset], None, self.version, 0.02
 
+    def stage_weights(self, model):
+        pass
+
     def sync_weights(self, model):
         self.overlaps += self.drawing
         self.version += 1
@@ -162,8 +165,10 @@ def test_async_is_max_staleness_1(server, tiny, tmp_path):
 
     check_versions(b, 1)
     assert without_timings(a) == without_timings(b)
-    # drawn ahead: the sync waited for the next batch; the last step has none
-    assert all("time_wait" in r for r in b[1:-1]) and "time_wait" not in b[-1]
+    # drawn ahead: the sync wrote the weights, then waited for the next batch;
+    # the last step has none
+    assert all("time_stage" in r and "time_wait" in r for r in b[1:-1])
+    assert "time_wait" not in b[-1]
     wa = load_file(tmp_path / "async" / "model" / "model.safetensors")
     wb = load_file(tmp_path / "one" / "model" / "model.safetensors")
     assert all((wa[k] == wb[k]).all() for k in wa)
