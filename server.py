@@ -139,6 +139,16 @@ def concurrently(fn, items, workers):
     return results
 
 
+def memory_folder(size):
+    """/dev/shm where it holds twice size bytes, else None (the temporary
+    folder): a file in memory is written faster than through a disk's page
+    cache (docs/benchmarks.md, "Server mode on SmolLM2")."""
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 2 * size:
+        return shm
+    return None
+
+
 def one_line(text, limit=400):
     """A server's message, on one line and not too long."""
     text = " ".join(str(text).split())
@@ -180,7 +190,7 @@ class RemoteEngine(Engine):
         weight_transfer: "file" (CPU, simplification 1), "nccl" (GPUs: a server
         started with the nccl backend) or "auto" (nccl when both sides can).
         snapshot_dir: where rank 0 writes the weights' file (default: a new
-        temporary folder). partial_rollouts: sample through vLLM's
+        folder in /dev/shm where it fits, else in the temporary folder). partial_rollouts: sample through vLLM's
         /inference/v1/generate, whose replies name the weights version of each
         token (simplification 6). A fault raises ConnectionError, in one line.
         """
@@ -635,7 +645,9 @@ class RemoteEngine(Engine):
             return None
 
         if self.snapshot_dir is None:
-            self.snapshot_dir = tempfile.mkdtemp(prefix="tinygrpo-weights-")
+            size = sum(t.nbytes for t in tensors.values())
+            self.snapshot_dir = tempfile.mkdtemp(prefix="tinygrpo-weights-",
+                                                 dir=memory_folder(size))
             self.own_snapshot_dir = True
         path = os.path.abspath(os.path.join(self.snapshot_dir, "weights.safetensors"))
         save_file(tensors, path)
