@@ -190,9 +190,10 @@ class RemoteEngine(Engine):
         weight_transfer: "file" (CPU, simplification 1), "nccl" (GPUs: a server
         started with the nccl backend) or "auto" (nccl when both sides can).
         snapshot_dir: where rank 0 writes the weights' file (default: a new
-        folder in /dev/shm where it fits, else in the temporary folder). partial_rollouts: sample through vLLM's
-        /inference/v1/generate, whose replies name the weights version of each
-        token (simplification 6). A fault raises ConnectionError, in one line.
+        folder in /dev/shm where it fits, else in the temporary folder).
+        partial_rollouts: sample through vLLM's /inference/v1/generate, whose
+        replies name the weights version of each token (simplification 6). A
+        fault raises ConnectionError, in one line.
         """
         self.url = url.rstrip("/")
         self.tokenizer = tokenizer
@@ -457,7 +458,10 @@ class RemoteEngine(Engine):
         versions = [self.token_versions(c) for c in choices]
 
         self.local.token_versions = versions
-        self.local.weight_version = min((min(v) for v in versions if v), default=None)
+        # the oldest token's (the drop rule's); None before any named sync
+        self.local.weight_version = None
+        if self.version is not None:
+            self.local.weight_version = min((min(v) for v in versions if v), default=None)
         return ids, logps, finished
 
     def token_versions(self, choice):

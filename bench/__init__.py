@@ -17,6 +17,7 @@ measured in the same run. From the repo root:
     python -m bench learn              # SmolLM2-135M-Instruct learns word problems, TRL beside it
     python -m bench overlap            # SmolLM2: vLLM's server, sync vs --max-staleness 2 vs colocated
     python -m bench server_ranks       # SmolLM2: 2 ranks' sampling, vLLM's server vs our old one
+    python -m bench contention         # SmolLM2's update on core 1, alone and beside a load on core 0
     python -m bench decode             # SmolLM2-135M-Instruct: the HF decode, plain head vs tiled
     python -m bench tools_run          # --tools python vs no tools: 4-5 digit products
     python -m bench game_run           # guess the number, with vs without the environment

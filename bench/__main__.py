@@ -25,6 +25,7 @@ MODES = {
     "learn": ("learn", "bench_learn"),
     "overlap": ("overlap", "bench_overlap"),
     "server_ranks": ("overlap", "bench_server_ranks"),
+    "contention": ("overlap", "bench_contention"),
     "decode": ("decode", "bench_decode"),
     # learn: the TRL side, in the subprocesses it starts
     "_trl_learn": ("learn", "trl_learn"),

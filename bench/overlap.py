@@ -346,3 +346,65 @@ def bench_server_ranks(args):
           f"| server | median rollout s (steps 2..{steps}) |\n|---|---|\n"
           f"| ours, one request at a time ({OLD_TREE}) | {old:.2f} |\n"
           f"| vLLM's own | {new:.2f} |\n\nvLLM's own: {old / new:.2f}x faster sampling")
+
+
+# -----------------------------------------------------------------------------
+# `python -m bench contention`: why overlap buys little on this machine. The
+# update's forward and backward of SmolLM2-135M on core 1, alone and while core
+# 0 streams memory (what a decode step of the server does) or computes in cache
+
+
+def load_on_core0(kind, stop_at):
+    """A busy loop on core 0 until time stop_at: 'memory' copies 256 MB
+    buffers (bandwidth-bound), 'compute' multiplies 128 x 128 matrices
+    (cache-resident)."""
+    os.sched_setaffinity(0, {0})
+    import torch
+
+    torch.set_num_threads(1)
+    if kind == "memory":
+        a, b = torch.ones(64 << 20), torch.empty(64 << 20)
+        while time.time() < stop_at:
+            b.copy_(a)
+    else:
+        x = torch.randn(128, 128)
+        while time.time() < stop_at:
+            x = torch.tanh(x @ x)
+
+
+def bench_contention(args):
+    import multiprocessing
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    real_model = real_model_or_exit("bench contention")
+    os.sched_setaffinity(0, {1})
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(real_model.smollm2_dir(), dtype=torch.float32)
+    ids = torch.randint(0, 49152, (8, 100))  # (8, 100): one micro-batch of bench learn's
+
+    def step():
+        t0 = time.time()
+        model(ids).logits.float().log_softmax(-1).mean().backward()
+        return time.time() - t0
+
+    step()
+    times = {}
+    for kind in ("alone", "memory", "compute"):
+        load = None
+        if kind != "alone":
+            context = multiprocessing.get_context("spawn")
+            load = context.Process(target=load_on_core0, args=(kind, time.time() + 120))
+            load.start()
+            time.sleep(2)
+        times[kind] = statistics.median(step() for _ in range(args.repeats))
+        if load is not None:
+            load.terminate()
+            load.join()
+        print(f"{kind}: {times[kind]:.2f} s a forward + backward of 8 x 100 tokens", flush=True)
+
+    print(f"\nCommand: `python -m bench contention`. Tree `{tree()}`. SmolLM2-135M fp32, 1 thread "
+          f"on core 1, median of {args.repeats}.\n\n| core 0 meanwhile | s | against alone |\n"
+          f"|---|---|---|\n" + "\n".join(f"| {k} | {v:.2f} | {v / times['alone']:.2f}x |"
+                                        for k, v in times.items()))

@@ -26,7 +26,7 @@ import torch
 
 from helpers import run_train
 from test_resume import start_and_kill
-from test_server import API_KEY, TOL, client, requests_running, shared_server
+from test_server import TOL, client, requests_running, shared_server
 from test_staleness import server_args
 
 # one worker starts the session's server (--dist loadgroup): test_server.py's group
