@@ -88,6 +88,9 @@ def parse_args():
 
     # learn mode
     add("--no-trl", action="store_true", help="learn: train.py's runs only")
+    add("--frozen", action="store_true",
+        help="overlap: lr 1e-30 (no weight moves), evaluations at the start and end only: the steps an hour "
+        "at equal completion lengths")
     add("--plot", default=None,
         help="learn, overlap: the PNG written (default: in its work folder)")
 

@@ -32,6 +32,12 @@ median step). The goals checked: an overlapped step takes <= 1.15 x
 max(rollout, update) of its own run, and --max-staleness 2 makes >= 1.3 x the
 synchronous steps an hour.
 
+--frozen runs them with lr 1e-30 (the policy never changes: no fp32 weight
+moves by so little): the same work a step
+in every run, as the completions' lengths stay those of the start. Learning
+changes them apart (a run that shortens its completions sooner makes shorter
+steps), so this is the steps-an-hour comparison at equal lengths.
+
 Writes docs/server_overlap.png (--plot) and prints a markdown section.
 """
 import json
@@ -99,8 +105,8 @@ def stop(proc):
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def train(run, seed, model, dataset, steps, eval_every, work, tiny):
-    """One train.py run (a subprocess) -> its metrics records."""
+def train(run, seed, model, dataset, steps, eval_every, work, tiny, frozen=False):
+    """One train.py run (a subprocess) -> its metrics records. frozen: lr 1e-30."""
     out = os.path.join(work, f"{run.replace(' ', '_')}_{seed}")
     r = recipe(tiny)
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--model", model,
@@ -110,6 +116,9 @@ def train(run, seed, model, dataset, steps, eval_every, work, tiny):
            *train_flags(r, seed, eval_every)]
     # train_flags' HF engine is replaced: vLLM here, in the server or in-process
     cmd[cmd.index("--engine") + 1] = "vllm"
+    if frozen:
+        # train.py takes no lr 0; this one moves no fp32 weight (below half an ulp)
+        cmd[cmd.index("--lr") + 1] = "1e-30"
     threads = 2 if run == "colocated" else 1
     cmd += ["--threads", str(threads)]
     if run != "colocated":
@@ -206,6 +215,8 @@ def report(results, args, steps, eval_every):
         command += f" --steps {args.steps}"
     if args.tiny:
         command += " --tiny"
+    if args.frozen:
+        command += " --frozen"
     lines = [
         f"Command: `{command}`. Tree `{tree()}`. {steps} steps a run, held-out greedy every "
         f"{eval_every}.",
@@ -248,21 +259,25 @@ def bench_overlap(args):
     _, dataset = write_dataset(real_model, work, NUM_EVAL)
     steps = 2 if args.tiny else (args.steps or 20)
     eval_every = 1 if args.tiny else max(1, steps // 4)
+    if args.frozen:  # the first and last step's evaluations only
+        eval_every = steps
     print(f"bench overlap: {model}, seeds {args.seeds}, {steps} steps a run, work "
-          f"folder {work}", flush=True)
+          f"folder {work}{', lr 1e-30' if args.frozen else ''}", flush=True)
 
     results = {run: {} for run in RUNS}
     server = start_server(model, work)
     try:
         for seed in args.seeds:
             for run in RUNS[:2]:
-                records = train(run, seed, model, dataset, steps, eval_every, work, args.tiny)
+                records = train(run, seed, model, dataset, steps, eval_every, work, args.tiny,
+                                args.frozen)
                 results[run][seed] = summarize(records, eval_every)
     finally:
         stop(server)
     # the colocated runs with the server gone: both cores theirs
     for seed in args.seeds:
-        records = train("colocated", seed, model, dataset, steps, eval_every, work, args.tiny)
+        records = train("colocated", seed, model, dataset, steps, eval_every, work, args.tiny,
+                        args.frozen)
         results["colocated"][seed] = summarize(records, eval_every)
 
     png = args.plot or os.path.join(work, "server_overlap.png")
