@@ -252,11 +252,17 @@ def report(results, args, steps, eval_every):
     return "\n".join(lines) + "\n"
 
 
-def bench_overlap(args):
-    real_model = real_model_or_exit("bench overlap")
-    model = real_model.smollm2_dir()
-    work = tempfile.mkdtemp(prefix="bench_overlap_")
+def smollm2_and_problems(mode):
+    """-> (SmolLM2's folder, a new work folder, the word problems' file in it),
+    or SystemExit saying what is missing for `python -m bench mode`."""
+    real_model = real_model_or_exit(f"bench {mode}")
+    work = tempfile.mkdtemp(prefix=f"bench_{mode}_")
     _, dataset = write_dataset(real_model, work, NUM_EVAL)
+    return real_model.smollm2_dir(), work, dataset
+
+
+def bench_overlap(args):
+    model, work, dataset = smollm2_and_problems("overlap")
     steps = 2 if args.tiny else (args.steps or 20)
     eval_every = 1 if args.tiny else max(1, steps // 4)
     if args.frozen:  # the first and last step's evaluations only
@@ -328,10 +334,7 @@ def train_two_ranks(tree_dir, name, model, dataset, steps, work, tiny):
 
 
 def bench_server_ranks(args):
-    real_model = real_model_or_exit("bench server_ranks")
-    model = real_model.smollm2_dir()
-    work = tempfile.mkdtemp(prefix="bench_server_ranks_")
-    _, dataset = write_dataset(real_model, work, NUM_EVAL)
+    model, work, dataset = smollm2_and_problems("server_ranks")
     steps = 2 if args.tiny else (args.steps or 4)
     old_dir = os.path.join(work, "old_tree")
     os.makedirs(old_dir)
@@ -340,6 +343,7 @@ def bench_server_ranks(args):
     print(f"bench server_ranks: {model}, 2 ranks, {steps} steps a run, the old tree "
           f"{OLD_TREE} in {old_dir}", flush=True)
 
+    # each run's (rollout seconds, completion tokens a second) a step
     rollouts = {}
     for name, tree_dir in (("old", old_dir), ("vllm", ROOT)):
         if name == "old":
@@ -350,17 +354,25 @@ def bench_server_ranks(args):
             records = train_two_ranks(tree_dir, name, model, dataset, steps, work, args.tiny)
         finally:
             stop(server)
-        rollouts[name] = [r["time_rollout"] for r in records if r["step"] > 1]
-        print(f"{name}: rollout seconds of steps 2..{steps}: "
-              f"{[round(x, 2) for x in rollouts[name]]}", flush=True)
+        rollouts[name] = [(r["time_rollout"], r["tokens_per_s"]) for r in records if r["step"] > 0]
+        print(f"{name}: rollout seconds, tokens a second of steps 1..{steps}: "
+              f"{[(round(s, 2), round(t)) for s, t in rollouts[name]]}", flush=True)
 
-    old, new = statistics.median(rollouts["old"]), statistics.median(rollouts["vllm"])
+    # step 1 samples from the same start in both; after it, the runs' lengths part
+    first = {name: each[0] for name, each in rollouts.items()}
+    later = {name: [statistics.median(x) for x in zip(*each[1:])]
+             for name, each in rollouts.items()}
     print(f"\nCommand: `python -m bench server_ranks`. Tree `{tree()}` against `{OLD_TREE}`'s "
           f"server.py. 2 ranks x {2 * recipe(args.tiny)['prompts'] // 2} prompts x G = "
           f"{recipe(args.tiny)['G']}, the server on core 0, both ranks on core 1.\n\n"
-          f"| server | median rollout s (steps 2..{steps}) |\n|---|---|\n"
-          f"| ours, one request at a time ({OLD_TREE}) | {old:.2f} |\n"
-          f"| vLLM's own | {new:.2f} |\n\nvLLM's own: {old / new:.2f}x faster sampling")
+          f"| server | step 1: rollout s, completion tokens a second | steps 2..{steps}, "
+          f"medians |\n|---|---|---|\n"
+          f"| ours, one request at a time ({OLD_TREE}) | {first['old'][0]:.2f}, "
+          f"{first['old'][1]:.0f} | {later['old'][0]:.2f}, {later['old'][1]:.0f} |\n"
+          f"| vLLM's own | {first['vllm'][0]:.2f}, {first['vllm'][1]:.0f} | "
+          f"{later['vllm'][0]:.2f}, {later['vllm'][1]:.0f} |\n\nvLLM's own, tokens a "
+          f"second: {first['vllm'][1] / first['old'][1]:.2f}x at step 1, "
+          f"{later['vllm'][1] / later['old'][1]:.2f}x after")
 
 
 # -----------------------------------------------------------------------------
