@@ -40,7 +40,7 @@ key, another model or tokenizer, a server without dev mode or the extension,
 a refused weight update, a server that died, hung or restarted (its weight
 version is no longer the trainer's).
 
-Tests: python -m pytest -q tests/test_server.py tests/test_async.py
+Tests: python -m pytest -q tests/test_server.py tests/test_async.py tests/test_partial.py
 
 Simplifications:
 1. Weights on CPU (the tested path): rank 0 writes the full state dict as one

@@ -30,7 +30,7 @@ oldest token), partial_share is the share of completions whose tokens two or
 more versions sampled, and the drop rule looks at the oldest token. The price:
 which tokens a sync splits depends on timing, so runs do not repeat bit for bit.
 
-Tests: python -m pytest -q tests/test_staleness.py tests/test_async.py
+Tests: python -m pytest -q tests/test_staleness.py tests/test_async.py tests/test_partial.py
 
 Simplifications:
 1. One draw at a time per rank, in the order asked (a chain of background
