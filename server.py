@@ -139,6 +139,12 @@ def concurrently(fn, items, workers):
     return results
 
 
+def process_group():
+    """-> (several ranks share the sync, this rank): (False, 0) alone."""
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    return distributed, dist.get_rank() if distributed else 0
+
+
 def memory_folder(size):
     """/dev/shm where it holds twice size bytes, else None (the temporary
     folder): a file in memory is written faster than through a disk's page
@@ -530,8 +536,7 @@ class RemoteEngine(Engine):
         meanwhile and go on with the new weights (simplification 6)."""
         start = time.perf_counter()
         counter = {"bytes": 0}
-        distributed = dist.is_initialized() and dist.get_world_size() > 1
-        rank = dist.get_rank() if distributed else 0
+        distributed, rank = process_group()
         error = [None]
 
         if version is None and self.version is not None:
@@ -596,10 +601,9 @@ class RemoteEngine(Engine):
         the sync). A collective (FSDP2 gathers)."""
         if self.weight_transfer != "file":
             return
-        distributed = dist.is_initialized() and dist.get_world_size() > 1
         counter = {"bytes": 0}
         with torch.no_grad():
-            path = self.write_file(model, dist.get_rank() if distributed else 0, counter)
+            path = self.write_file(model, process_group()[1], counter)
         self.staged = (path, counter["bytes"])
 
     def send_file(self, model, rank, counter):

@@ -149,12 +149,13 @@ class AheadSampler:
     def step_metrics(self, lag, device):
         """The step's staleness (versions) over all ranks, and the batches
         dropped since the last record."""
-        # staleness summed, over how many, the completions, how many are split
-        sums, largest = [float(lag), 1.0, 0.0, 0.0], float(lag)
+        # staleness summed, over how many, the completions, how many are split;
+        # the largest is lag's: under --partial-rollouts, the oldest token's
+        sums = [float(lag), 1.0, 0.0, 0.0]
         if self.token_lag is not None:  # --partial-rollouts: over the tokens
-            sums, largest = self.token_lag
+            sums = self.token_lag
         totals = torch.tensor(sums, device=device, dtype=torch.float64)
-        worst = torch.tensor([largest], device=device, dtype=torch.float64)
+        worst = torch.tensor([float(lag)], device=device, dtype=torch.float64)
         if ddp:
             dist.all_reduce(totals)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
@@ -186,15 +187,14 @@ class AheadSampler:
 
 def token_staleness(versions, policy_version):
     """(N, T) the version of each sampled token, -1 past each end (server.py's
-    VersionedRollout) -> ([their staleness summed, the tokens, the completions,
-    those two or more versions sampled], the largest staleness)."""
+    VersionedRollout) -> [their staleness summed, the tokens, the completions,
+    those two or more versions sampled]."""
     sampled = versions >= 0  # (N, T)
     lag = (policy_version - versions)[sampled]  # (tokens,)
     oldest = versions.masked_fill(~sampled, policy_version + 1).amin(1)  # (N,)
     split = versions.amax(1) > oldest  # (N,)
-    largest = lag.max().item() if lag.numel() else 0
     sums = [lag.sum().item(), lag.numel(), versions.shape[0], split.sum().item()]
-    return [float(x) for x in sums], float(largest)
+    return [float(x) for x in sums]
 
 
 def done(result):
