@@ -273,7 +273,7 @@ def save_model(model, path, state_dict, tokenizer):
     names, with its adapter in path/adapter.
     """
     if is_lora(model):
-        from lora import merged_state_dict
+        from scale.lora import merged_state_dict
 
         # adapter_model.safetensors + its config
         model.save_pretrained(os.path.join(path, "adapter"))
@@ -373,7 +373,7 @@ def restore(path, saved, model, optimizer, engine, device, reference=None):
     # the policy was built from the initial model: the checkpoint's adapter is the
     # trained part
     if is_lora(model):
-        from lora import load_adapter
+        from scale.lora import load_adapter
 
         load_adapter(model, os.path.join(path, "model", "adapter"))
 

@@ -292,7 +292,7 @@ add("--out-dir", default="out",
 add("--log-completions", type=number(int, 0), default=0, metavar="N",
     help="TRL's log_completions: every N steps, each completion (prompt, text, rewards, "
          "advantage) to completions.jsonl and a few above the progress bar; read them "
-         "with `python completions.py show OUT_DIR` (0: off)")
+         "with `python -m runlog.completions show OUT_DIR` (0: off)")
 add("--report-to", nargs="+", default=None, choices=["wandb", "trackio", "tensorboard", "none"],
     help="TRL's report_to: also log each step's record to these dashboards (report.py); "
          "none: to none")
@@ -335,12 +335,12 @@ def parse_args(argv=None):
     # flags) hands the run to trl_names.py, which reads it with TRL's meaning
     if any(word.split("=")[0] not in parser._option_string_actions
            for word in argv if word.startswith("--")):
-        import trl_names
+        from trl_compat import trl_names
         return trl_names.parse_args(argv)
     if given.config:
         words = recipe_words(given.config)
         if words is None:
-            import trl_names
+            from trl_compat import trl_names
             return trl_names.parse_args(argv)
         # its values checked alone first, so that an error names the file
         parser.error = lambda message: fail(f"--config {given.config}: {message}")

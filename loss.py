@@ -109,7 +109,7 @@ import math
 import torch
 
 from config import CLIPPED_LOSS_TYPES, IS_CORRECTIONS, IS_LEVELS
-from metrics import token_stats
+from runlog.metrics import token_stats
 from model import entropy_from_logits, selective_log_softmax
 from reduction import entropy_bonus, kept_mask, reduce_loss, row_weights
 

@@ -175,7 +175,7 @@ def load_model(path, dtype, device, fsdp=False, lora=None, frozen=False, recompu
         fully_shard(m, mp_policy=mixed)
 
     if lora:
-        from lora import add_lora
+        from scale.lora import add_lora
 
         m = add_lora(m, lora)
     elif frozen:
@@ -190,7 +190,7 @@ def load_reference(policy, path, dtype, device, fsdp):
     itself with its adapters off (lora.AdaptersOff).
     """
     if is_lora(policy):
-        from lora import AdaptersOff
+        from scale.lora import AdaptersOff
 
         return AdaptersOff(policy)
     return load_model(path, dtype, device, fsdp, frozen=True)

@@ -208,7 +208,7 @@ def _same_number(written, gold):
 def code_reward(completions, tests, **kw):
     """The fraction of each sample's `tests` that its last ```python block
     passes, run in the sandbox (sandbox.code_reward; imported at the first call)."""
-    from sandbox import code_reward as run_in_sandbox
+    from tools.sandbox import code_reward as run_in_sandbox
 
     return run_in_sandbox(completions, tests, **kw)
 

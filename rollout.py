@@ -495,7 +495,7 @@ def full_named_parameters(model, counter, dtype=None):
     """
     params = unwrap(model).named_parameters(remove_duplicate=False)
     if is_lora(unwrap(model)):  # the merged weights (lora.py)
-        from lora import sync_parameters
+        from scale.lora import sync_parameters
 
         params = sync_parameters(unwrap(model))
 

@@ -12,7 +12,7 @@ Run (no GPU, no network: a tiny model and the built-in "sort the digits" task,
 see task.py):
     python train.py                                            # 1 process
     torchrun --standalone --nproc_per_node 2 train.py --G 8    # 2 ranks
-    python plot.py out                                         # re-draw out/metrics.png
+    python -m runlog.plot out                                         # re-draw out/metrics.png
 (gloo on CPU, nccl on GPUs.) A hub model on GSM8K, 8 GPUs (README: the GPU
 recipe):
     torchrun --nproc_per_node 8 train.py --model Qwen/Qwen2.5-1.5B-Instruct \\
@@ -79,7 +79,7 @@ from common import (barrier, ddp, fail, mark, master,
                     print0, rank, seed_all, setup, startup_line,
                     step_line, world)
 from loss import LossSettings, choose_impl, policy_loss
-from metrics import step_metrics
+from runlog.metrics import step_metrics
 from model import (Forward, load_model, load_reference, load_tokenizer, pad_id, prompt_batch,
                    sequence_logps, truncate_logits, wrap_ddp)
 from reduction import kept_mask, minibatch_tokens
@@ -133,7 +133,7 @@ except ValueError as e:
 # packages before the heavy work; rank 0 reports
 reporter = None
 if args.report_to or args.wandb:
-    import report
+    from runlog import report
 
     reporter = report.open(args, saved)
 
@@ -171,7 +171,7 @@ try:
     environments = None
     tools_of = None  # a row -> its tools' schemas, for the prompt
     if config.uses_tools(args):
-        import tools
+        from tools import multiturn as tools
 
         environments = tools.load_environments(args, tokenizer)
         tools_of = environments.tools_of
@@ -194,7 +194,7 @@ try:
         config=args.dataset_config, split=args.split, eval_split=args.eval_split,
         prompt_column=args.prompt_column, solution_column=args.solution_column)
     if getattr(args, "trl_epochs", None):  # TRL's num_train_epochs: --steps from the rows
-        import trl_names
+        from trl_compat import trl_names
 
         trl_names.resolve_epochs(args, len(train_rows))
     prompt_limit = data.prompt_limit(args.max_prompt_len, args.max_new_tokens,
@@ -212,7 +212,7 @@ try:
     # checkpoint.restore)
     lora = None
     if args.lora_rank:
-        from lora import lora_config
+        from scale.lora import lora_config
 
         lora = lora_config(args.lora_rank, args.lora_alpha, args.lora_dropout,
                            args.lora_targets)
@@ -253,7 +253,7 @@ row_tokens = max(map(len, train_ids + eval_ids)) + args.max_new_tokens
 
 engine_kind, engine_why = pick_engine(args.engine, raw_model, args.vllm_tp)
 if args.vllm_mode == "server":  # a rollout server on other machines (server.py)
-    from server import RemoteEngine
+    from engines.server import RemoteEngine
 
     # it waits for the server, then checks it serves this model and these rows
     engine = RemoteEngine(args.vllm_url, tokenizer, seed=args.seed + rank,
@@ -311,7 +311,7 @@ moving_reference = ref_model if args.sync_ref_every else None
 entropy_coef = args.entropy_coef
 last_entropy = math.inf
 if args.adaptive_entropy:
-    import adaptive_entropy
+    from variants import adaptive_entropy
 if resume_from:  # RNG states last: the engine's start-up reseeds torch
     start_step, opt_step, consumed, pending = checkpoint.restore(
         resume_from, saved, raw_model, optimizer, engine, device, moving_reference)
@@ -584,7 +584,7 @@ opt_steps_total = args.steps * args.num_iterations * (n_local // minibatch)
 reward_logs = None  # what they logged; a completions log reads reward_logs.extra_columns
 if any(getattr(fn, "__module__", None) not in OUR_MODULES
        for fn in [*reward_funcs, eval_func]):
-    import reward_extras
+    from trl_compat import reward_extras
 
     reward_logs, score, evaluate, dynamic_sampling = reward_extras.install(
         reward_funcs, eval_func, score, evaluate, dynamic_sampling,
@@ -598,7 +598,7 @@ if master:
 # --log-completions N: every N-th step's completions to completions.jsonl, cut
 # back as metrics.jsonl on a resume (completions.py)
 if args.log_completions:
-    import completions
+    from runlog import completions
 
     completions_file = completions.open_log(args.out_dir, start_step if resume_from else None)
 if not resume_from:
@@ -611,7 +611,7 @@ if not resume_from:
     mark("first evaluation")
 print0(startup_line(t_launch))
 if args.max_staleness is not None:
-    import staleness
+    from engines import staleness
 
     sampler = staleness.AheadSampler(sample, args.max_staleness, args.prompts_per_step,
                                      args.steps, args.partial_rollouts)
@@ -810,7 +810,7 @@ if master:
                f"{first['eval_greedy']:.3f} at step {first['step']} -> "
                f"{last['eval_greedy']:.3f} at step {last['step']}")
     try:
-        import plot
+        from runlog import plot
         print0(f"plot: {plot.plot_metrics(metrics_path)}")
     except ImportError as e:
         print0(f"no plot ({e}): pip install matplotlib")

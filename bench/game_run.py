@@ -54,12 +54,12 @@ TINY = dict(steps=1, num_eval=4, flags=["--G", "2", "--max-new-tokens", "24"])
 def held_out(model_path, tokenizer, rows, with_env, max_new):
     """Greedy games -> (success rate, the share of completions that call)."""
     import data
-    from environment import load_specs
+    from tools.environment import load_specs
     from model import load_model
     from reward import final_number_reward
     from rollout import HFEngine
-    from tool_format import TemplateFormat
-    from tools import ToolEngine
+    from tools.tool_format import TemplateFormat
+    from tools.multiturn import ToolEngine
 
     model = load_model(model_path, torch.float32, torch.device("cpu"), False, None)
     engine = HFEngine(model, tokenizer)

@@ -141,7 +141,7 @@ def trainer_memory(config, rank):
     from transformers import Qwen2ForCausalLM
 
     from config import LORA_TARGETS
-    from lora import add_lora
+    from scale.lora import add_lora
 
     with torch.device("meta"):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16 if rank else torch.float32)

@@ -62,7 +62,7 @@ PORT = 8791
 SERVER_FLAGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
                 "--kv-cache-memory-bytes", str(1 << 30), "--no-enable-chunked-prefill",
                 "--logprobs-mode", "processed_logprobs",
-                "--worker-extension-cls", "worker_extension.WeightSync",
+                "--worker-extension-cls", "engines.worker_extension.WeightSync",
                 "--uvicorn-log-level", "warning"]
 STARTUP_S = 300
 

@@ -96,12 +96,12 @@ def train(out, model, dataset, num_eval, steps, flags):
 def held_out(model_path, tokenizer, ids, rows, tools, max_new):
     """Greedy completions of the held-out prompts -> (accuracy, the share of
     completions that call)."""
-    from environment import load_specs
+    from tools.environment import load_specs
     from model import load_model
     from reward import final_number_reward
     from rollout import HFEngine
-    from tool_format import FENCE, FenceFormat
-    from tools import ToolEngine
+    from tools.tool_format import FENCE, FenceFormat
+    from tools.multiturn import ToolEngine
 
     model = load_model(model_path, torch.float32, torch.device("cpu"), False, None)
     engine = HFEngine(model, tokenizer)

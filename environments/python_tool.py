@@ -12,7 +12,7 @@ comes back as its own text, and counts as a failed call (tool_error_rate).
 """
 import os
 
-import sandbox
+from tools import sandbox
 
 
 class ProgramFailed(Exception):

@@ -54,7 +54,7 @@ class _Merged:
     weight."""
 
     def __init__(self, layer):
-        from lora import ADAPTER
+        from scale.lora import ADAPTER
 
         base = layer.get_base_layer()
         self.layer = layer

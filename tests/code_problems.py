@@ -53,7 +53,7 @@ def make_code_dataset():
 if __name__ == "__main__":
     # sandbox.py lives in the repo root (a script's sys.path starts at tests/)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from sandbox import code_reward
+    from tools.sandbox import code_reward
 
     rows = make_code_dataset()
     rewards = code_reward([r["solution"] for r in rows], [r["tests"] for r in rows])

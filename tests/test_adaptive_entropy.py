@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from adaptive_entropy import applied_coef as applied_entropy_coef
-from adaptive_entropy import next_coef as next_entropy_coef
+from variants.adaptive_entropy import applied_coef as applied_entropy_coef
+from variants.adaptive_entropy import next_coef as next_entropy_coef
 from config import check_flags
 from helpers import refused, run_train, without_timings
 from helpers import parse_flags as parse

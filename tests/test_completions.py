@@ -4,7 +4,7 @@
   weighted total, truncation, log_extra columns; a column named as a field refused).
 - open_log: a resume cuts the file back to its step (torn lines too); a new run empties it.
 - log: one JSON line per row, the table above the bar, the tracker's table.
-- The viewer (`python completions.py show`), piped: steps, filters, one-line errors.
+- The viewer (`python -m runlog.completions show`), piped: steps, filters, one-line errors.
 - train.py on 2 ranks: every rank's completions, their rewards the record's.
 - kill -9 after a checkpoint, then resume: each step once, whole, and the metrics
   of a run without the flag (logging draws from no RNG of the run's).
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import checkpoint
-import completions
+from runlog import completions
 import config
 from helpers import ROOT, run_train, without_timings
 from rollout import Rollout
@@ -163,8 +163,8 @@ def test_one_line():
 
 
 def show(*argv):
-    """`python completions.py show ...`, piped (not a TTY) -> (exit code, stdout, stderr)."""
-    proc = subprocess.run([sys.executable, "completions.py", "show", *map(str, argv)],
+    """`python -m runlog.completions show ...`, piped (not a TTY) -> (exit code, stdout, stderr)."""
+    proc = subprocess.run([sys.executable, "-m", "runlog.completions", "show", *map(str, argv)],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     return proc.returncode, proc.stdout, proc.stderr
 

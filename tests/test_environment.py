@@ -17,14 +17,14 @@ import torch
 from safetensors.torch import load_file
 
 import data
-import environment
-from environment import load_specs
+from tools import environment
+from tools.environment import load_specs
 from helpers import fine_tune, read_metrics, run_train, without_timings
 from reward import accuracy_reward, environment_reward_func, final_number_reward, score
 from rollout import Engine, HFEngine, VLLMEngine
 from task import TEXT_CHARS, build_tiny_model, build_tokenizer
-from tool_format import TemplateFormat, read_call, supports_tools
-from tools import ToolEngine, ToolRollout
+from tools.tool_format import TemplateFormat, read_call, supports_tools
+from tools.multiturn import ToolEngine, ToolRollout
 
 pytestmark = pytest.mark.xdist_group("test_sandbox")
 TEMPLATE_PATH = os.path.join(os.path.dirname(__file__), "..", "assets", "chatml_tools.jinja")
@@ -368,7 +368,7 @@ def test_a_reset_that_fails_on_some_rows_warns_and_their_rewards_are_none(chat, 
                                                                        monkeypatch):
     """Their completions are sampled without an environment: a warning each, a
     reward of None. A whole chunk failing is some rows of the call: no stop."""
-    import tools
+    from tools import multiturn as tools
 
     specs = load_specs([FAILS_ON_BAD], [])
     script = [call_text("guess", number=1), "done$"]
@@ -394,7 +394,7 @@ def test_a_reset_that_fails_on_every_row_stops_in_one_line(chat, capsys, monkeyp
     """Every row of a generate call: the run stops (exit 2) in one line, the
     environment's class and the first error, before anything is sampled; in
     one chunk or over several."""
-    import tools
+    from tools import multiturn as tools
 
     specs = load_specs([ALWAYS_FAILS], [])
     prompts = [encode(chat, "A"), encode(chat, "B")]
@@ -583,7 +583,7 @@ def test_environment_flags_refused_in_one_line(argv, expected, capsys):
 def test_a_large_call_plays_in_chunks_with_the_same_layout(chat, monkeypatch):
     """At most tools.MAX_LIVE environment processes live at once: a larger call
     plays whole groups in chunks, and gives what one chunk would."""
-    import tools
+    from tools import multiturn as tools
 
     specs = load_specs([COUNTER], [])
     script = [call_text("increment", step=2), "done$"]

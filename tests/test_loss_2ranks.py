@@ -97,7 +97,7 @@ def check_loss_type(loss_type, x):
 
     from batch import UpdateBatch
     from loss import LossSettings, policy_loss
-    from metrics import step_metrics
+    from runlog.metrics import step_metrics
     from reduction import minibatch_tokens
 
     rank = torch.distributed.get_rank()
@@ -143,7 +143,7 @@ def check_batch_masks(x):
 
     from batch import UpdateBatch, high_entropy_mask
     from loss import LossSettings, policy_loss
-    from metrics import step_metrics
+    from runlog.metrics import step_metrics
     from reduction import minibatch_tokens
 
     rank = torch.distributed.get_rank()

@@ -144,7 +144,7 @@ def test_train_end_to_end_then_resume(server, tiny, tmp_path):
 def test_sampler_alone_syncs_during_a_draw():
     """Under partial the sync goes at once, a draw in flight (the stand-in
     counts it), and the trainer never waits at the sync."""
-    from staleness import AheadSampler
+    from engines.staleness import AheadSampler
 
     class SlowStandIn:
         def __init__(self):
@@ -175,7 +175,7 @@ def test_sampler_alone_syncs_during_a_draw():
 
 
 def test_token_staleness():
-    from staleness import token_staleness
+    from engines.staleness import token_staleness
 
     versions = torch.tensor([[3, 3, 4, -1], [4, 4, 4, 4], [-1, -1, -1, -1]])  # (N, T)
     sums = token_staleness(versions, 5)
@@ -185,7 +185,7 @@ def test_token_staleness():
 
 def test_refusals(server, tiny, capsys):
     import config
-    from server import RemoteEngine
+    from engines.server import RemoteEngine
 
     base = ["--vllm-mode", "server", "--vllm-url", "http://127.0.0.1:1"]
     cases = [

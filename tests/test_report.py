@@ -165,7 +165,7 @@ def test_tensorboard_log_completions_is_a_markdown_table(tmp_path):
     import torch.utils.tensorboard
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    import report
+    from runlog import report
 
     args = SimpleNamespace(project="p", wandb=None, out_dir=str(tmp_path))
     reporter = report.Reporter({"tensorboard": torch.utils.tensorboard}, args, start_step=0)
@@ -209,7 +209,7 @@ def test_wandb_offline_holds_the_last_record(tmp_path):
 
 def test_report_to_none_reports_nowhere():
     import config
-    import report
+    from runlog import report
 
     (action,) = [a for a in config.parser._actions if a.dest == "report_to"]
     assert action.choices == [*report.BACKENDS, "none"]

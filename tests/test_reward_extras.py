@@ -17,7 +17,7 @@ import torch
 
 import advantage
 import reward
-import reward_extras
+from trl_compat import reward_extras
 import task
 from helpers import run_train
 from rollout import Rollout

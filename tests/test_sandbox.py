@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-import sandbox
+from tools import sandbox
 from code_problems import make_code_dataset
-from sandbox import code_reward, extract_code, run_tests
+from tools.sandbox import code_reward, extract_code, run_tests
 
 ROOT = os.geteuid() == 0
 # root with CAP_SYS_ADMIN: the full sandbox (G1, G2 in sandbox.py)

@@ -1,6 +1,6 @@
 """Server mode on vLLM's own server, on CPU: server.RemoteEngine against a real
 `python -m vllm.entrypoints.openai.api_server` (vLLM's own entry point) on
-loopback, with --api-key, dev mode and worker_extension.WeightSync, serving the
+loopback, with --api-key, dev mode and engines.worker_extension.WeightSync, serving the
 tiny tied-embedding Qwen2 (head_dim 32).
 
 One server per test session: its start-up (~25-40 s) is paid once. The first
@@ -94,7 +94,7 @@ class VLLMServer:
                "--logprobs-mode", "processed_logprobs", "--no-enable-chunked-prefill",
                # /inference/v1/generate, for --partial-rollouts (tests/test_partial.py)
                "--enable-scale-out",
-               "--worker-extension-cls", "worker_extension.WeightSync", "--seed", "0",
+               "--worker-extension-cls", "engines.worker_extension.WeightSync", "--seed", "0",
                "--uvicorn-log-level", "warning"]
         env = {**ENV, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": REPO}
         with open(self.log_path, "a") as log:
@@ -103,7 +103,7 @@ class VLLMServer:
 
     def connect(self, tokenizer, model_config):
         """Wait for it as train.py does -> (a client, what it printed)."""
-        from server import RemoteEngine
+        from engines.server import RemoteEngine
 
         out = io.StringIO()
         try:
@@ -175,7 +175,7 @@ def server(request, tiny):
 
 def client(server, tiny, **kwargs):
     """A RemoteEngine on the shared server, checked against the tiny model."""
-    from server import RemoteEngine
+    from engines.server import RemoteEngine
 
     kwargs.setdefault("api_key", API_KEY)
     return RemoteEngine(server.url, tiny[2], model_config=tiny[1].config, wait_s=0,
@@ -217,7 +217,7 @@ def one_line_error(call, match):
 def test_waits_for_the_server_then_for_none(server, tiny, capsys):
     """The session's client waited while vLLM started, saying so; with nothing
     listening, it gives up after wait_s in one line naming the url."""
-    from server import RemoteEngine
+    from engines.server import RemoteEngine
 
     assert f"waiting for the rollout server at {server.url} (0 s of at most " \
            f"{STARTUP_S} s)" in server.waited, server.waited
@@ -349,7 +349,7 @@ def test_lora_sync_sends_the_merged_adapted_layers(server, tiny):
 def test_refused_at_start_up(server, tiny):
     """Each in one line: no key, a wrong key, another model, another tokenizer,
     rows shorter than the run's."""
-    from server import RemoteEngine
+    from engines.server import RemoteEngine
     from task import CHARS, build_tokenizer
 
     _, model, tokenizer, _ = tiny
@@ -413,7 +413,7 @@ def test_refused_misstarted_server(server, tiny):
     """Each in one line: a server without dev mode, without the worker
     extension, with raw log-probs, or on CPU with chunked prefill (vLLM's
     replies, replayed)."""
-    from server import RemoteEngine
+    from engines.server import RemoteEngine
 
     raw = dict(client(server, tiny).info, logprobs_mode="raw_logprobs")
     chunked = dict(client(server, tiny).info, chunked_prefill=True)
@@ -425,7 +425,7 @@ def test_refused_misstarted_server(server, tiny):
          "has no /collective_rpc: start it with VLLM_SERVER_DEV_MODE=1"),
         (500, dict(error=dict(message=no_method, code=500)),
          "lacks tinygrpo's worker extension: start it with --worker-extension-cls "
-         "worker_extension.WeightSync"),
+         "engines.worker_extension.WeightSync"),
         (200, dict(results=[raw]),
          "returns raw_logprobs, not the sampler's: start it with --logprobs-mode "
          "processed_logprobs"),
@@ -561,7 +561,7 @@ def main(url, model_dir):
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
     sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
-    from server import RemoteEngine
+    from engines.server import RemoteEngine
     from test_rollout import perturbed, trainer_logps
 
     dist.init_process_group("gloo")

@@ -70,7 +70,7 @@ def train_loop(sampler, engine, steps, start=1):
 
 @pytest.mark.parametrize("n", [0, 1, 3])
 def test_sampler_alone_draws_in_order_never_during_a_sync(n):
-    from staleness import AheadSampler
+    from engines.staleness import AheadSampler
 
     engine = StandIn()
     sampler = AheadSampler(engine.sample, n, prompts_per_step=8, steps=6)
@@ -90,7 +90,7 @@ def test_sampler_alone_drops_and_redraws(capsys):
     """Resumed at step 3 with --max-staleness 1 from batches 3 and 4 drawn by
     versions 0 and 1 (a run with 2), and from an older --async checkpoint's one
     batch (a tuple)."""
-    from staleness import AheadSampler
+    from engines.staleness import AheadSampler
 
     engine = StandIn()
     engine.version = 2

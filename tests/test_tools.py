@@ -30,10 +30,10 @@ from reduction import minibatch_tokens
 from reward import score
 from rollout import Engine, HFEngine, VLLMEngine
 from task import TEXT_CHARS, build_tiny_model, build_tokenizer
-from environment import load_specs
+from tools.environment import load_specs
 from fast.decode import FastHFEngine
-from tool_format import FenceFormat
-from tools import ToolEngine, ToolRollout, tool_metrics
+from tools.tool_format import FenceFormat
+from tools.multiturn import ToolEngine, ToolRollout, tool_metrics
 
 pytestmark = pytest.mark.xdist_group("test_sandbox")
 ROOT = os.geteuid() == 0

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 import config
-import trl_names
+from trl_compat import trl_names
 from helpers import ENV, ROOT, run_train
 from real_model import missing, smollm2_dir, write_word_problems
 
@@ -181,7 +181,7 @@ def test_our_recipe_files_never_load_trl_names():
     recipe = os.path.join(ROOT, "recipes", "gsm8k_1gpu.yaml")
     code = (f"import sys, config\n"
             f"args = config.parse_args(['--config', {recipe!r}, '--lr', '3e-6'])\n"
-            f"assert args.loss_type == 'grpo' and 'trl_names' not in sys.modules\n")
+            f"assert args.loss_type == 'grpo' and 'trl_compat.trl_names' not in sys.modules\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, env={**ENV, "PYTHONPATH": ROOT}, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -5,7 +5,7 @@ vLLM's dev-mode route POST /collective_rpc. Start the server with it (and this
 folder on PYTHONPATH):
 
     VLLM_SERVER_DEV_MODE=1 PYTHONPATH=. python -m vllm.entrypoints.openai.api_server \\
-        --model DIR --worker-extension-cls worker_extension.WeightSync ...
+        --model DIR --worker-extension-cls engines.worker_extension.WeightSync ...
 
 (TRL and verl reach into vLLM's workers the same way.) It imports nothing of
 ours: the server's node needs this one file, not the trainer's dependencies.

@@ -49,11 +49,11 @@ from dataclasses import dataclass
 import torch
 
 import data
-import environment
+from tools import environment
 from model import pad_id
 from reward import environment_reward_func
 from rollout import Rollout, build_rollout, call_seed
-from tool_format import FenceFormat, TemplateFormat, supports_tools
+from tools.tool_format import FenceFormat, TemplateFormat, supports_tools
 
 # environment processes alive at once (~10-20 MB each): a larger call goes in
 # chunks

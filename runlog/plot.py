@@ -2,7 +2,7 @@
 Plot a run's metrics.jsonl against step: reward, held-out accuracy (and pass@k
 with --eval-samples), KL and completion length.
 
-    python plot.py out    # writes out/metrics.png
+    python -m runlog.plot out    # writes out/metrics.png
 
 train.py also writes it at the end of a run.
 
@@ -59,5 +59,5 @@ def plot_metrics(metrics_path, png_path=None):
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python plot.py OUT_DIR  (the folder that holds metrics.jsonl)")
+        sys.exit("usage: python -m runlog.plot OUT_DIR  (the folder that holds metrics.jsonl)")
     print(plot_metrics(os.path.join(sys.argv[1], "metrics.jsonl")))

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from common import collective_device, ddp
-from metrics import token_stats
+from runlog.metrics import token_stats
 from reduction import kept_mask, row_weights
 
 

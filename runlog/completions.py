@@ -4,8 +4,8 @@ ranks', one JSON line each in <out-dir>/completions.jsonl; a few printed above t
 progress bar; the table handed to the tracker (--report-to). And a viewer for the file.
 
     python train.py --log-completions 10       # every 10th step's completions
-    python completions.py show out             # page through them, step by step
-    python completions.py show out --last --max-reward 0 --truncated
+    python -m runlog.completions show out             # page through them, step by step
+    python -m runlog.completions show out --last --max-reward 0 --truncated
 
 A line: step, prompt, completion, reward (the weighted total, as the advantage
 sees it), reward/<name> per reward function (train.py's names; null where it
@@ -245,7 +245,7 @@ def table(rows, step, k=PRINTED):
 
 
 # -----------------------------------------------------------------------------
-# The viewer: python completions.py show OUT_DIR [--step K | --last] [filters]
+# The viewer: python -m runlog.completions show OUT_DIR [--step K | --last] [filters]
 
 def fail(msg):
     """One line on stderr, exit 2 (common.fail's format, without its torch)."""
@@ -317,7 +317,7 @@ def render(step, rows, shown):
 
 
 def show(argv):
-    p = argparse.ArgumentParser(prog="python completions.py show",
+    p = argparse.ArgumentParser(prog="python -m runlog.completions show",
                                 description="page through an out-dir's completions.jsonl")
     p.error = fail
     p.add_argument("out_dir", help="a run's --out-dir (train.py --log-completions N)")
@@ -377,6 +377,6 @@ def show(argv):
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["show"]:
-        fail("usage: python completions.py show OUT_DIR [--step K | --last] "
+        fail("usage: python -m runlog.completions show OUT_DIR [--step K | --last] "
              "[--min-reward X] [--max-reward X] [--truncated]")
     show(sys.argv[2:])

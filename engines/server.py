@@ -8,7 +8,7 @@ the server runs on other cores, GPUs or nodes. The lines (README: Server mode):
            --model DIR --dtype float32 --enforce-eager --max-model-len 2048 \\
            --kv-cache-memory-bytes 1073741824 --logprobs-mode processed_logprobs \\
            --no-enable-chunked-prefill \\
-           --worker-extension-cls worker_extension.WeightSync --port 8000 --api-key KEY
+           --worker-extension-cls engines.worker_extension.WeightSync --port 8000 --api-key KEY
     B$ python train.py --model DIR --vllm-mode server \\
            --vllm-url http://127.0.0.1:8000 --vllm-api-key KEY
 
@@ -26,7 +26,7 @@ What it uses of the server:
 - GET /health, /v1/models, POST /tokenize: is it up, which model, which
   tokenizer.
 - Dev mode (VLLM_SERVER_DEV_MODE=1): POST /collective_rpc runs
-  worker_extension.WeightSync's methods in the server's workers;
+  engines.worker_extension.WeightSync's methods in the server's workers;
   /reset_prefix_cache; and vLLM's RL API (/update_weight_version,
   /weight_info, and the NCCL weight transfer's /init_weight_transfer_engine ...
   /finish_weight_update). These routes are NOT behind --api-key (vLLM guards
@@ -111,7 +111,7 @@ PROBE_TOKENS = 256
 CONFIG_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
                  "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                  "tie_word_embeddings")
-EXTENSION = "worker_extension.WeightSync"
+EXTENSION = "engines.worker_extension.WeightSync"
 RESTART = "restart it and resume training from the last checkpoint"
 
 
@@ -281,7 +281,7 @@ class RemoteEngine(Engine):
         return json.loads(data) if data else None
 
     def rpc(self, method, *args):
-        """worker_extension.WeightSync.method(*args) in every server worker ->
+        """engines.worker_extension.WeightSync.method(*args) in every server worker ->
         their results. args: strings (vLLM's /collective_rpc takes no others)."""
         payload = dict(method=method, args=[str(a) for a in args])
         try:
@@ -608,7 +608,7 @@ class RemoteEngine(Engine):
 
     def send_file(self, model, rank, counter):
         """Simplification 1: the full state dict as one safetensors file, which
-        the server's workers reload (worker_extension.WeightSync.tinygrpo_reload).
+        the server's workers reload (engines.worker_extension.WeightSync.tinygrpo_reload).
         The file stage_weights wrote, if it did."""
         if self.staged is not None:
             path, counter["bytes"] = self.staged
@@ -673,7 +673,7 @@ class RemoteEngine(Engine):
         )
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-        from lora import sync_parameters
+        from scale.lora import sync_parameters
 
         class Parameters(WeightSource):
             """As full_named_parameters: tied weights under both names."""
