@@ -318,32 +318,44 @@ add("--config", default=None, metavar="FILE.yaml",
          "command line's flags override it")
 
 
+def config_file(argv):
+    """The --config FILE argv names, or None."""
+    find = argparse.ArgumentParser(add_help=False)
+    find.add_argument("--config")
+    find.error = fail
+    given, _ = find.parse_known_args(argv)
+    return given.config
+
+
+def speaks_trl(argv):
+    """Whether argv names a flag that is none of ours, or a --config file with a
+    key that is none of ours: TRL's names (GRPOConfig's fields, `trl grpo`'s
+    flags), which trl_compat/trl_names.py reads with TRL's meaning (train.py
+    hands it the run)."""
+    if any(word.split("=")[0] not in parser._option_string_actions
+           for word in argv if word.startswith("--")):
+        return True
+    path = config_file(argv)
+    return path is not None and recipe_words(path) is None
+
+
 def parse_args(argv=None):
-    """The flags: a --config file's, then the command line's over them. TRL's
-    names (a GRPOConfig file, `trl grpo`'s flags): trl_names.py, docs/trl.md."""
+    """The flags: a --config file's, then the command line's over them. Our
+    names only: TRL's go to trl_compat/trl_names.py (speaks_trl, docs/trl.md)."""
     if argv is None:
         argv = sys.argv[1:]
     argv = list(argv)
 
     # the file's flags go first as words: the parser checks them as it checks
     # the command line's, and a later flag wins
-    find = argparse.ArgumentParser(add_help=False)
-    find.add_argument("--config")
-    find.error = fail
-    given, _ = find.parse_known_args(argv)
-    # a name that is none of these flags (TRL's: GRPOConfig's fields, `trl grpo`'s
-    # flags) hands the run to trl_names.py, which reads it with TRL's meaning
-    if any(word.split("=")[0] not in parser._option_string_actions
-           for word in argv if word.startswith("--")):
-        from trl_compat import trl_names
-        return trl_names.parse_args(argv)
-    if given.config:
-        words = recipe_words(given.config)
+    path = config_file(argv)
+    if path:
+        words = recipe_words(path)
         if words is None:
-            from trl_compat import trl_names
-            return trl_names.parse_args(argv)
+            fail(f"--config {path}: a key is none of train.py's flags (TRL's names: "
+                 f"trl_compat/trl_names.py reads them, through train.py)")
         # its values checked alone first, so that an error names the file
-        parser.error = lambda message: fail(f"--config {given.config}: {message}")
+        parser.error = lambda message: fail(f"--config {path}: {message}")
         try:
             parser.parse_args(words)
         finally:

@@ -33,9 +33,8 @@ is not replayed (it needs each position's seen tokens): the trainer's log-probs
 are unpenalized, and train.py says so at start-up.
 
 Simplifications:
-1. Full weights load on the CPU first. With FSDP2 each decoder layer is then
-   sharded, so only this rank's shard moves to the device
-   (https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html).
+1. Full weights load on the CPU first. With FSDP2 (scale/fsdp.py) each decoder
+   layer is then sharded, so only this rank's shard moves to the device.
 2. The update's forward runs each completion with its whole prompt, as one
    sequence. fast/update.py runs a prompt once for its G completions.
 """
@@ -44,10 +43,9 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from typing import NamedTuple
 
 import torch
-from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -145,12 +143,11 @@ def load_model(path, dtype, device, fsdp=False, lora=None, frozen=False, recompu
     """The trainable policy in fp32, or a frozen model (the reference) in dtype.
 
     A frozen model is in eval mode. fsdp: shard each decoder layer over the ranks
-    (simplification 1). lora, a peft LoraConfig (lora.lora_config): the base
-    model in dtype, frozen, with fp32 adapters. recompute: checkpoint each
-    decoder layer (recompute_layers). ValueError naming the folder when its
+    (scale/fsdp.py). lora, a peft LoraConfig (scale/lora.py's lora_config): the
+    base model in dtype, frozen, with fp32 adapters. recompute: checkpoint each
+    decoder layer (scale/recompute.py). ValueError naming the folder when its
     weights do not load (missing, cut short, another shape).
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
     if frozen or lora:
@@ -165,14 +162,14 @@ def load_model(path, dtype, device, fsdp=False, lora=None, frozen=False, recompu
         raise ValueError(f"model {path!r}: cannot load its weights "
                          f"({first_line})") from None
 
-    if recompute:
+    if recompute:  # --gradient-checkpointing
+        from scale.recompute import recompute_layers
+
         recompute_layers(m)
-    if fsdp:
-        # compute in dtype, reduce gradients in fp32
-        mixed = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        for layer in m.model.layers:
-            fully_shard(layer, mp_policy=mixed)
-        fully_shard(m, mp_policy=mixed)
+    if fsdp:  # --fsdp
+        from scale.fsdp import shard
+
+        shard(m, dtype)
 
     if lora:
         from scale.lora import add_lora
@@ -231,20 +228,32 @@ def sequence_batch(prompt_ids, completion_ids, pad_id):
     return input_ids, attention_mask, position_ids
 
 
+class PromptBatch(NamedTuple):
+    """A rollout's distinct prompts, left-padded (prompt_batch)."""
+
+    ids: torch.Tensor  # (B, P)
+    mask: torch.Tensor  # (B, P)
+    positions: torch.Tensor  # (B, P) RoPE's
+    row: torch.Tensor  # (N,) each completion's prompt: its row of ids
+
+    def to(self, device):
+        return PromptBatch(*(x.to(device) for x in self))
+
+
 def prompt_batch(prompt_ids, pad_id):
     """A rollout's prompts for the trainer's forwards, each distinct prompt once.
 
     A prompt's G completions share it (see completion_logits). prompt_ids lists
     each completion's prompt, a group's consecutively (Rollout.prompt_ids).
-    -> left-padded ids (B, P), their mask (B, P), RoPE positions (B, P) and each
-    completion's prompt row (N,).
+    -> a PromptBatch: left-padded ids (B, P), their mask (B, P), RoPE positions
+    (B, P) and each completion's prompt row (N,).
     """
     first = [i == 0 or p != prompt_ids[i - 1] for i, p in enumerate(prompt_ids)]
     prompt_row = torch.tensor(first).cumsum(0) - 1  # (N,)
 
     prompts = [p for p, f in zip(prompt_ids, first) if f]
     no_completions = torch.zeros(len(prompts), 0, dtype=torch.long)  # (B, 0)
-    return (*sequence_batch(prompts, no_completions, pad_id), prompt_row)
+    return PromptBatch(*sequence_batch(prompts, no_completions, pad_id), prompt_row)
 
 
 def completion_logits(model, prompts, rows, completion_ids, dtype=torch.float32):
@@ -308,51 +317,27 @@ class Forward:
 
     head_logps, when set, replaces logits then logps where the loss needs
     nothing else: (model, prompts, rows, completion_ids, completion_mask,
-    temperature) -> (n, T) log-probs, the LM head fused in.
+    temperature) -> (n, T) log-probs, the LM head fused in. distinct_rows, when
+    set, picks the rows to train: (prompt_row, completion_ids, completion_mask,
+    advantages) -> (n,) rows, (n,) the rows each stands for (fast/dedup.py).
     """
 
     logits: Callable = completion_logits
     logps: Callable = selective_log_softmax
     entropies: Callable = entropy_from_logits
     head_logps: Callable | None = None
+    distinct_rows: Callable | None = None
 
 
 # -----------------------------------------------------------------------------
-# Recomputed activations (--gradient-checkpointing)
+# The decoder layers, which --gradient-checkpointing (scale/recompute.py) and
+# fast/update.py act on
 
 def decoder_layers(model):
     """model's decoder layers: the modules transformers can checkpoint."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-
-
-def recompute_layers(model):
-    """Checkpoint every decoder layer of model: its activations are dropped after
-    the forward and recomputed in the backward (about a third more update
-    compute; the saved activations of a micro-batch fall to each layer's input).
-
-    transformers' own switch (gradient_checkpointing_enable) drops the KV cache,
-    which fast/update.py's shared prompt prefix needs. Here each layer keeps it:
-    the caches it passes are replayable, their update giving the same result
-    when the backward replays a layer.
-    Non-reentrant checkpointing (https://pytorch.org/docs/stable/checkpoint.html).
-    """
-    layers = decoder_layers(model)
-    if not layers:
-        raise ValueError(f"{type(model).__name__} has no decoder layers that "
-                         f"transformers can checkpoint")
-    # a sliding-window layer's cache appends on every update: a replay of
-    # fast/update.py's shared prefix would append the prompt twice
-    if not full_attention(model):
-        raise ValueError("--gradient-checkpointing needs full-attention layers (the "
-                         "backward replays each layer's KV cache); this model has "
-                         "sliding-window ones")
-    # our own wrapper, not transformers' switch: that one only acts in train
-    # mode, and train.py runs the policy in eval mode (no dropout in the ratio)
-    for layer in layers:
-        layer.forward = partial(_checkpointed, layer.forward)
-    return len(layers)
 
 
 def full_attention(model):
@@ -363,17 +348,8 @@ def full_attention(model):
 
 
 def is_recomputed(layer):
-    """Whether recompute_layers checkpointed this decoder layer."""
-    forward = vars(layer).get("forward")
-    return isinstance(forward, partial) and forward.func is _checkpointed
-
-
-def _checkpointed(forward, *args, **kwargs):
-    """forward(*args, **kwargs), its activations recomputed in backward; a
-    plain call where nothing will be differentiated (old log-probs, rollouts)."""
-    if not torch.is_grad_enabled():
-        return forward(*args, **kwargs)
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    """Whether scale/recompute.py checkpointed this decoder layer."""
+    return getattr(layer, "recomputed", False)
 
 
 # -----------------------------------------------------------------------------

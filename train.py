@@ -48,11 +48,11 @@ Simplifications (each is a choice, not an accident):
    AdamW stay fp32; the reference and the rollout engine hold --dtype weights
    (model.py).
 """
-import dataclasses
 import json
 import math
 import os
 import resource
+import sys
 import time
 
 t_launch = time.time()  # the start-up phases are timed from here: see the "start-up" line
@@ -73,8 +73,8 @@ import checkpoint
 import config
 import data
 import task
-from advantage import compute_advantages, dynamic_sampling
-from batch import UpdateBatch, high_entropy_mask, policy_entropies, unique_rows
+from advantage import compute_advantages
+from batch import UpdateBatch
 from common import (barrier, ddp, fail, mark, master,
                     print0, rank, seed_all, setup, startup_line,
                     step_line, world)
@@ -95,7 +95,12 @@ from rollout import make_engine, pick_engine
 
 # -----------------------------------------------------------------------------
 # The flags (config.py), then the rules between them, before any heavy work
-args = config.parse_args()
+if config.speaks_trl(sys.argv[1:]):  # TRL's names (trl_compat/trl_names.py, docs/trl.md)
+    from trl_compat import trl_names
+
+    args = trl_names.parse_args(sys.argv[1:])
+else:
+    args = config.parse_args()
 # the flags as the user gave them: before the recipe fills in
 run_config = checkpoint.run_config(args, world)
 config.fill_defaults(args)
@@ -292,7 +297,7 @@ if args.fast != "off":
         args.fast, args=args, model=model, reference=ref_model, engine=engine,
         optimizer=optimizer, device=device, dtype=dtype, loss_impl=loss_impl,
         minibatch=minibatch)
-# --tools: the multi-turn loop around the engine (tools.py); the rows go to
+# --tools: the multi-turn loop around the engine (tools/multiturn.py); the rows go to
 # generate for the environments' resets
 tool_rows = environments is not None
 if tool_rows:
@@ -301,22 +306,12 @@ if tool_rows:
 start_step = 0
 opt_step = 0
 consumed = 0  # prompts drawn so far (data.batch_indices)
-# --max-staleness N, --async (N = 1): the batches drawn up to N steps ahead of the
-# trainer, while it updates (staleness.py)
-sampler = None
+pending = None  # server mode's batches drawn ahead, from the checkpoint
 # --sync-ref-every: the reference moves (TR-DPO), so the checkpoints hold it
 moving_reference = ref_model if args.sync_ref_every else None
-# --adaptive-entropy's state: the coefficient, and the entropy of the last
-# optimizer step (none yet: inf, no bonus until one is measured, as TRL)
-entropy_coef = args.entropy_coef
-last_entropy = math.inf
-if args.adaptive_entropy:
-    from variants import adaptive_entropy
 if resume_from:  # RNG states last: the engine's start-up reseeds torch
     start_step, opt_step, consumed, pending = checkpoint.restore(
         resume_from, saved, raw_model, optimizer, engine, device, moving_reference)
-    entropy_coef = saved["entropy_coef"]
-    last_entropy = saved["last_entropy"]
     print0(f"resuming from {resume_from} (step {start_step}); "
            f"another --out-dir starts a new run")
 # the server may hold other weights (a restart, a resumed run): send the
@@ -332,7 +327,7 @@ print0(f"engine {type(engine).__name__} ({engine_why}), {world} rank(s) x "
        f"loss {loss_impl} ({loss_why}), {n_params:.2f}M params "
        f"({n_trained:.3g}M trained), {len(train_rows)} train prompts")
 print0(f"--fast {args.fast}: {fast_note}")
-# vLLM on CPU: the KV cache sized to the work (rollout.py, simplification 7)
+# vLLM on CPU: the KV cache sized to the work (engines/vllm_engine.py, simplification 5)
 inner = getattr(engine, "engine", engine)
 kv_bytes = getattr(inner, "kv_cache_bytes", None)
 if kv_bytes:
@@ -363,6 +358,25 @@ def sample(consumed):
 
     rows = [train_rows[i] for i in idx for _ in range(args.G)]
     return rows, rollout, getattr(engine, "weight_version", None), time.time() - t0
+
+
+def sample_and_score(consumed):
+    """One round: sample (the prompts at offset consumed), then score.
+
+    -> ((the rows, the rollout, rewards (N, F)), the prompts drawn, the round's
+    numbers for the record: the server's weight version, if any). Adds its
+    seconds to the step's times.
+    """
+    rows, rollout, version, seconds = sample(consumed)
+    t0 = time.time()
+    rewards = score(reward_funcs, rows, rollout, conversational, args.reward_timeout)  # (N, F)
+    times["rollout"] += seconds
+    times["reward"] += time.time() - t0
+
+    stats = {}
+    if version is not None:  # server mode: which weights sampled it
+        stats["sampler_version"] = version
+    return (rows, rollout, rewards), args.prompts_per_step, stats
 
 
 @torch.no_grad()
@@ -423,6 +437,27 @@ def cosine_lr(it, total, lr, warmup):
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def group_advantages(rewards):
+    """This rank's rewards (N, F) -> (its (N,) advantages, the step's reward numbers).
+
+    The rewards of every rank are gathered first: the groups' and the batch's
+    statistics are over the whole batch (simplification 1).
+    """
+    N = rewards.shape[0]
+    rewards = rewards.to(device)  # (N, F)
+    if ddp:
+        gathered = [torch.empty_like(rewards) for _ in range(world)]
+        dist.all_gather(gathered, rewards)
+        rewards = torch.cat(gathered)  # (world*N, F)
+    advantages, reward_stats = compute_advantages(rewards.cpu(), args.reward_weights,
+                                                  args.G, args.scale_rewards,
+                                                  aggregation=args.reward_aggregation)
+    advantages = advantages[rank * N:(rank + 1) * N].to(device)  # (N,) this rank's slice
+    for f, name in enumerate(reward_names):  # "reward/0" -> "reward/exact_match_reward"
+        reward_stats[f"reward/{name}"] = reward_stats.pop(f"reward/{f}")
+    return advantages, reward_stats
+
+
 def prepare_update(rollout, prompts, advantages):
     """-> (UpdateBatch: the step's N rows on the device, as the loss sees them;
     (n,) the rows to train).
@@ -455,25 +490,27 @@ def prepare_update(rollout, prompts, advantages):
     if args.mask_truncated:
         truncated = ~rollout.is_finished.to(device)
     high_entropy = None  # (N, T)
-    if args.top_entropy_quantile < 1:
+    if args.top_entropy_quantile < 1:  # (variants/high_entropy.py)
+        from variants.high_entropy import high_entropy_mask, policy_entropies
+
         # (N, T) from the policy before this update
         entropies = policy_entropies(forward, raw_model, prompts, completion_ids,
                                      **by_micro, **truncation)
         kept = kept_mask(completion_mask, truncated)  # (N, T)
         high_entropy = high_entropy_mask(entropies, kept, args.top_entropy_quantile)
 
-    # one row of each set of identical completions, weighed by its count. Only
-    # with one forward a step: ranks could run unequal numbers of forwards, each
-    # a collective under DDP and FSDP2. And not where the sampler's per-row
-    # log-probs enter the loss.
-    trained = torch.arange(N, device=device)  # (n,)
+    # the rows to train: all (n = N); --fast: one of each set of identical
+    # completions, weighed by its count (fast/dedup.py). Only with one forward a
+    # step: ranks could run unequal numbers of forwards, each a collective under
+    # DDP and FSDP2. And not where the sampler's per-row log-probs enter the loss.
+    rows_to_train = torch.arange(N, device=device)  # (n,)
     counts = None  # (N,)
     uses_sampler = args.max_staleness or is_corrected or args.off_policy_mask is not None
-    if micro == N and not uses_sampler:
-        trained, trained_counts = unique_rows(prompts[3], completion_ids, completion_mask,
-                                              advantages)
+    if forward.distinct_rows and micro == N and not uses_sampler:
+        rows_to_train, row_counts = forward.distinct_rows(prompts.row, completion_ids,
+                                                          completion_mask, advantages)
         counts = torch.zeros(N, device=device)
-        counts[trained] = trained_counts
+        counts[rows_to_train] = row_counts
 
     batch = UpdateBatch(
         completion_ids=completion_ids,
@@ -486,15 +523,14 @@ def prepare_update(rollout, prompts, advantages):
         high_entropy=high_entropy,
         counts=counts,
     )
-    return batch, trained
+    return batch, rows_to_train
 
 
-def backward_micro(batch, prompts, rows, minibatch_tokens, last, settings):
-    """Forward, loss and backward of one micro-batch (its rows of batch).
+def backward_micro(batch, prompts, rows, mb_tokens, last, settings):
+    """Forward, loss and backward of one micro-batch (its rows of batch) -> its metrics.
 
-    settings: the loss's (loss_settings, or the optimizer step's entropy
-    coefficient). -> (metrics, (the sum of its entropies, their tokens) where the
-    loss trains, for --adaptive-entropy; else None).
+    mb_tokens: its minibatch's token count (loss.minibatch_tokens). settings: the
+    loss's (loss_settings, or the optimizer step's under --adaptive-entropy).
     """
     # reduce gradients once per minibatch, after its last micro-batch (nanoGPT's trick)
     if args.fsdp:
@@ -502,7 +538,7 @@ def backward_micro(batch, prompts, rows, minibatch_tokens, last, settings):
     elif ddp:
         model.require_backward_grad_sync = last
 
-    micro_batch = batch.rows(rows)
+    micro_batch = batch.select(rows)
     ids = micro_batch.completion_ids  # (n, T)
     mask = micro_batch.completion_mask  # (n, T)
     # the current log-probs from the logits (the kernel computes its own), or
@@ -521,21 +557,18 @@ def backward_micro(batch, prompts, rows, minibatch_tokens, last, settings):
         if loss_impl == "torch":
             logps = forward.logps(logits, ids, args.temperature)
     loss, metrics = policy_loss(logits, micro_batch, settings, minibatch_size=minibatch,
-                                minibatch_tokens=minibatch_tokens, logps=logps,
+                                minibatch_tokens=mb_tokens, logps=logps,
                                 entropies=entropies)
 
     # --adaptive-entropy measures at every step; the loss does only while the bonus is on
-    measured = None
-    if args.adaptive_entropy:
-        with torch.no_grad():
-            entropies = forward.entropies(logits, args.temperature)  # (n, T)
-        measured, metrics["entropy"] = adaptive_entropy.measure(entropies, micro_batch)
+    if entropy_control:
+        metrics["entropy"] = entropy_control.measure(forward, logits, micro_batch, args.temperature)
 
     # the logits (n, T, V) live on only in the loss's graph, which frees them
     # once their gradient is computed, not after the whole backward
     del logits
     loss.backward()
-    return metrics, measured
+    return metrics
 
 
 def optimizer_step(step):
@@ -560,121 +593,12 @@ def optimizer_step(step):
     return grad_norm
 
 
-@torch.no_grad()
-def mix_reference(reference, policy, alpha):
-    """TR-DPO's soft update (arXiv 2404.09656; TRL's SyncRefModelCallback),
-    in place, parameter by parameter:
-
-        ref <- alpha * policy + (1 - alpha) * ref
-
-    as TRL computes it: ref.mul_(1 - alpha).add_(policy, alpha=alpha). The
-    reference holds --dtype weights: each mix rounds to them.
-    """
-    for ref_param, param in zip(reference.parameters(), policy.parameters(), strict=True):
-        ref_param.mul_(1 - alpha).add_(param, alpha=alpha)
-
-
-# -----------------------------------------------------------------------------
-# The GRPO loop
-opt_steps_total = args.steps * args.num_iterations * (n_local // minibatch)
-# TRL's reward extras (reward_extras.py): trainer_state, log_metric, log_extra and
-# `async def` rewards, for a user's function that takes them (ours never do: the
-# modules in reward.OUR_MODULES). install swaps in a score, an evaluate and a
-# dynamic_sampling that pass and collect them
-reward_logs = None  # what they logged; a completions log reads reward_logs.extra_columns
-if any(getattr(fn, "__module__", None) not in OUR_MODULES
-       for fn in [*reward_funcs, eval_func]):
-    from trl_compat import reward_extras
-
-    reward_logs, score, evaluate, dynamic_sampling = reward_extras.install(
-        reward_funcs, eval_func, score, evaluate, dynamic_sampling,
-        progress=lambda: (opt_step, consumed), train_prompts=len(train_rows),
-        batch_prompts=args.prompts_per_step, max_steps=opt_steps_total)
-metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
-metrics_file = None
-if master:
-    append_after = start_step if resume_from else None  # a resume keeps the steps before
-    metrics_file = checkpoint.open_metrics(metrics_path, append_after)
-# --log-completions N: every N-th step's completions to completions.jsonl, cut
-# back as metrics.jsonl on a resume (completions.py)
-if args.log_completions:
-    from runlog import completions
-
-    completions_file = completions.open_log(args.out_dir, start_step if resume_from else None)
-if not resume_from:
-    record = dict(step=0, **evaluate())
-    print0(step_line(record))
-    if master:
-        metrics_file.write(json.dumps(record) + "\n")
-    if reporter:
-        reporter.log(record, 0)
-    mark("first evaluation")
-print0(startup_line(t_launch))
-if args.max_staleness is not None:
-    from engines import staleness
-
-    sampler = staleness.AheadSampler(sample, args.max_staleness, args.prompts_per_step,
-                                     args.steps, args.partial_rollouts)
-    if resume_from:  # the batches it had drawn ahead
-        sampler.load_state_dict(pending, consumed)
-
-t_start = time.time()
-bar = tqdm(range(start_step + 1, args.steps + 1), initial=start_step, total=args.steps,
-           disable=not master, dynamic_ncols=True)
-for step in bar:
-    times = dict(rollout=0.0, reward=0.0)
-
-    # 1) sample G completions for each of this rank's next prompts and score
-    #    them. --async: the batch was sampled while the last step trained.
-    #    --dynamic-sampling: drop the groups of equal rewards and draw more
-    #    rounds until each rank holds its share of others (advantage.py).
-    rounds = []
-    sampled = None
-    while sampled is None:
-        if sampler:  # drawn ahead; the next ones are asked for now, drawn meanwhile
-            rows, rollout, sampler_version, seconds = sampler.take(consumed, step - 1)
-        else:
-            rows, rollout, sampler_version, seconds = sample(consumed)
-        consumed += args.prompts_per_step
-        t1 = time.time()
-        rewards = score(reward_funcs, rows, rollout, conversational,
-                        args.reward_timeout)  # (N, F)
-        rounds.append((rows, rollout, rewards))
-        times["rollout"] += seconds
-        times["reward"] += time.time() - t1
-        sampled = dynamic_sampling(rounds, args.dynamic_sampling, args.G,
-                                   args.reward_weights, pad_id(tokenizer),
-                                   args.reward_aggregation)
-    (rows, rollout, rewards), sampling_stats = sampled
-    N = rollout.completion_ids.shape[0]
-
-    # 2) rewards (N, F), gathered from every rank -> group-relative advantages (N,)
-    t0 = time.time()
-    rewards = rewards.to(device)  # (N, F)
-    if ddp:
-        gathered = [torch.empty_like(rewards) for _ in range(world)]
-        dist.all_gather(gathered, rewards)
-        rewards = torch.cat(gathered)  # (world*N, F)
-    advantages, reward_stats = compute_advantages(rewards.cpu(), args.reward_weights,
-                                                  args.G, args.scale_rewards,
-                                                  aggregation=args.reward_aggregation)
-    advantages = advantages[rank * N:(rank + 1) * N].to(device)  # (N,) this rank's slice
-    for f, name in enumerate(reward_names):  # "reward/0" -> "reward/exact_match_reward"
-        reward_stats[f"reward/{name}"] = reward_stats.pop(f"reward/{f}")
-    times["reward"] += time.time() - t0
-
-    # 3) mu passes of minibatch updates, micro-batch by micro-batch
-    t0 = time.time()
-    # --vllm-sleep: the engine's weights and KV cache idle until the sync, so
-    # they leave room for the update (rollout.py, simplification 8)
-    if args.vllm_sleep:
-        engine.sleep()
-    # (B, P) x3 and (N,): the distinct prompts, left-padded (model.prompt_batch)
-    prompts = [x.to(device) for x in prompt_batch(rollout.prompt_ids, pad_id(tokenizer))]
-    model.eval()  # no dropout: the ratio must compare the same function
-    # (N, ...) the step's rows; (n,) the ones to train
-    batch, trained = prepare_update(rollout, prompts, advantages)
-
+def update(batch, prompts, rows_to_train, step):
+    """mu passes over the step's rows, an optimizer step per minibatch, each
+    accumulated micro-batch by micro-batch -> (the micro-batches' metrics, the
+    optimizer steps' gradient norms). Advances opt_step, the run's count."""
+    global opt_step
+    N = batch.completion_ids.shape[0]
     micro_metrics = []
     grad_norms = []
     for _ in range(args.num_iterations):
@@ -684,100 +608,222 @@ for step in bar:
                 group["lr"] = lr
             # --adaptive-entropy: the coefficient as the last optimizer step left it
             settings = loss_settings
-            if args.adaptive_entropy:
-                coef = adaptive_entropy.applied_coef(entropy_coef, last_entropy,
-                                                     args.entropy_target)
-                settings = dataclasses.replace(loss_settings, entropy_coef=coef)
+            if entropy_control:
+                settings = entropy_control.settings(loss_settings)
             # all ranks' unmasked tokens / ranks: DDP averages the gradients
-            mb_rows = batch.rows(slice(mb, mb + minibatch))
-            mb_tokens = minibatch_tokens(mb_rows.completion_mask, mb_rows.truncated)
+            mb_batch = batch.select(slice(mb, mb + minibatch))
+            mb_tokens = minibatch_tokens(mb_batch.completion_mask, mb_batch.truncated)
             # the micro-batches of the minibatch's rows (its distinct ones, if any)
-            micro_rows = trained[mb:mb + minibatch].split(micro)
-            measured = []  # --adaptive-entropy: (sum of H, tokens) per micro-batch
-            for i, micro_idx in enumerate(micro_rows):
+            micro_rows = rows_to_train[mb:mb + minibatch].split(micro)
+            for i, rows in enumerate(micro_rows):
                 last = i == len(micro_rows) - 1
-                metrics, entropy_sums = backward_micro(batch, prompts, micro_idx, mb_tokens,
-                                                       last, settings)
-                micro_metrics.append(metrics)
-                measured.append(entropy_sums)
+                micro_metrics.append(backward_micro(batch, prompts, rows, mb_tokens, last,
+                                                    settings))
             grad_norms.append(optimizer_step(step))
             opt_step += 1
-            # Skywork-OR1's controller: the next optimizer step's coefficient
-            if args.adaptive_entropy:
-                last_entropy = adaptive_entropy.window_entropy(measured)
-                entropy_coef = adaptive_entropy.next_coef(entropy_coef, last_entropy,
-                                                          args.entropy_target,
-                                                          args.entropy_coef_delta,
-                                                          args.entropy_coef_min,
-                                                          args.entropy_coef_max)
-            # TR-DPO: after every N-th optimizer step (TRL's on_step_end); the
-            # reference log-probs of this step's batch are already computed
-            if args.sync_ref_every and opt_step % args.sync_ref_every == 0:
-                mix_reference(ref_model, raw_model, args.ref_mixup_alpha)
-    times["update"] = time.time() - t0
+            for attached in after_optimizer_step:  # --adaptive-entropy, --sync-ref-every
+                attached(opt_step)
+    return micro_metrics, grad_norms
 
-    # 4) push the new weights into the rollout engine (--max-staleness: once the
-    #    batches asked for are in; time_wait is the trainer's wait for them)
-    if sampler:
-        synced = sampler.sync(engine, model, times)
-    else:
-        synced = engine.sync_weights(model)
-    times["sync"] = synced["seconds"]
 
-    # 5) log one JSON record per step (rank 0); evaluate and checkpoint on schedule
+def trainer_state(step):
+    """What a resume needs beside the weights, the optimizer and the RNGs."""
+    state = dict(step=step, opt_step=opt_step, prompts_consumed=consumed, config=run_config)
+    if entropy_control:  # --adaptive-entropy's coefficient and last entropy
+        state.update(entropy_coef=entropy_control.coef,
+                     last_entropy=entropy_control.last_entropy)
+    return state
+
+
+def batch_metrics(batch, rollout, advantages, rows_to_train):
+    """The step's batch in numbers: advantages, lengths, the sampler's entropy."""
+    N = advantages.shape[0]
     lengths = batch.completion_mask.sum(1)  # (N,)
-    record = dict(step=step, **reward_stats, **sampling_stats)
-    # over all micro-batches and ranks
-    record.update(step_metrics(micro_metrics, grad_norms))
-    if args.adaptive_entropy:  # as the step's last optimizer step left it
-        record["entropy_coef"] = entropy_coef
-    record["adv_mean"] = advantages.mean().item()
-    record["adv_abs_mean"] = advantages.abs().mean().item()
-    record["lr"] = cosine_lr(opt_step - 1, opt_steps_total, args.lr, args.warmup_steps)
-    # 1 - the share of duplicates the update left out
-    record["rows_trained"] = len(trained) / N
     sampled_logps = (batch.sampling_logps * batch.completion_mask).sum().item()
-    record["sampled_entropy"] = -sampled_logps / lengths.sum().item()
-    record["len_mean"] = lengths.mean().item()
-    record["len_min"] = lengths.min().item()
-    record["len_max"] = lengths.max().item()
-    record["truncated"] = 1 - rollout.is_finished.float().mean().item()
-    # --tools: tool_calls_mean, tool_error_rate, tool_seconds
-    if tool_rows:
-        record.update(tools.tool_metrics(rollout))
-    # server mode: which weights sampled it, which trained on it
-    if sampler_version is not None:
-        record["sampler_version"] = sampler_version
-        record["policy_version"] = step - 1
-        record["staleness"] = step - 1 - sampler_version
-    if sampler:  # staleness_mean, staleness_max (all ranks), stale_dropped
-        record.update(sampler.step_metrics(step - 1 - sampler_version, device))
+    return dict(adv_mean=advantages.mean().item(),
+                adv_abs_mean=advantages.abs().mean().item(),
+                # 1 - the share of duplicates the update left out
+                rows_trained=len(rows_to_train) / N,
+                sampled_entropy=-sampled_logps / lengths.sum().item(),
+                len_mean=lengths.mean().item(),
+                len_min=lengths.min().item(),
+                len_max=lengths.max().item(),
+                truncated=1 - rollout.is_finished.float().mean().item())
+
+
+def resources(tokens):
+    """Peak memory, the step's seconds by phase, and tokens sampled a second."""
+    out = {}
     if device.type == "cuda":
-        record["mem_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        out["mem_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
     # this process's peak resident memory: the trainer and an in-process engine
     # (Linux: kilobytes)
-    record["rss_peak_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    record.update({f"time_{k}": v for k, v in times.items()})
-    record["tokens_per_s"] = lengths.sum().item() * world / times["rollout"]
-    record["elapsed"] = time.time() - t_start
+    out["rss_peak_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    out.update({f"time_{k}": v for k, v in times.items()})
+    out["tokens_per_s"] = tokens * world / times["rollout"]
+    out["elapsed"] = time.time() - t_start
+    return out
 
-    if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
-        record.update(evaluate())
+
+# -----------------------------------------------------------------------------
+# The optional features, each attached once to what the loop calls, behind its flag
+opt_steps_total = args.steps * args.num_iterations * (n_local // minibatch)
+times = {}  # the step's seconds by phase: sample_and_score and the sync add theirs
+sync_weights = engine.sync_weights
+entropy_control = None  # --adaptive-entropy's Controller
+after_optimizer_step = []  # fn(opt_step), after each optimizer step
+step_loggers = []  # fn(step, record, rows, rollout, rewards, advantages), after the evaluation
+
+# --dynamic-sampling N: drop the groups of equal rewards and draw more rounds
+# until each rank holds its share of others (variants/dynamic_sampling.py)
+if args.dynamic_sampling:
+    from variants.dynamic_sampling import with_dynamic_sampling
+
+    sample_and_score = with_dynamic_sampling(sample_and_score, args.dynamic_sampling, args.G,
+                                             args.reward_weights, pad_id(tokenizer),
+                                             args.reward_aggregation, args.prompts_per_step)
+# --vllm-sleep: the engine's weights and KV cache idle from the rollout to the
+# sync, leaving room for the update (engines/vllm_engine.py, simplification 6)
+if args.vllm_sleep:
+    sample_then_score = sample_and_score
+
+    def sample_and_score(consumed):
+        drawn = sample_then_score(consumed)
+        engine.sleep()
+        return drawn
+# --max-staleness N, --async (N = 1): server mode's batches drawn up to N weight
+# versions ahead of the trainer, while it updates (engines/staleness.py)
+sampler = None
+if args.max_staleness is not None:
+    from engines import staleness
+
+    sampler = staleness.AheadSampler(sample, args.max_staleness, args.prompts_per_step,
+                                     args.steps, args.partial_rollouts,
+                                     policy_version=start_step)
+    if resume_from:  # the batches it had drawn ahead
+        sampler.load_state_dict(pending, consumed)
+    # drawn ahead; the next ones are asked for now, drawn meanwhile
+    sample = sampler.take
+
+    def sync_weights(model):
+        """Once the batches asked for are in: times' wait is the trainer's for them."""
+        return sampler.sync(engine, model, times)
+# server mode: which weights sampled the batch, which trained on it
+if args.vllm_mode == "server":
+    def log_versions(step, record, rows, rollout, rewards, advantages):
+        lag = step - 1 - record["sampler_version"]
+        record.update(policy_version=step - 1, staleness=lag)
+        if sampler:  # staleness_mean, staleness_max (all ranks), stale_dropped
+            record.update(sampler.step_metrics(lag, device))
+
+    step_loggers.append(log_versions)
+# --tools: tool_calls_mean, tool_error_rate, tool_seconds
+if tool_rows:
+    step_loggers.append(lambda step, record, rows, rollout, *_: record.update(
+        tools.tool_metrics(rollout)))
+# --adaptive-entropy: Skywork-OR1's controller of the entropy bonus
+# (variants/adaptive_entropy.py)
+if args.adaptive_entropy:
+    from variants.adaptive_entropy import Controller
+
+    entropy_control = Controller(args, saved if resume_from else None)
+    after_optimizer_step.append(entropy_control.step)
+    step_loggers.append(entropy_control.log)
+# --sync-ref-every N: TR-DPO's reference, moved toward the policy every N
+# optimizer steps (variants/trdpo.py)
+if args.sync_ref_every:
+    from variants import trdpo
+
+    after_optimizer_step.append(trdpo.every(args.sync_ref_every, ref_model, raw_model,
+                                            args.ref_mixup_alpha))
+# TRL's reward extras (trl_compat/reward_extras.py): trainer_state, log_metric,
+# log_extra and `async def` rewards, for a user's function that takes them
+reward_logs = None  # what they logged; a completions log reads reward_logs.extra_columns
+if any(getattr(fn, "__module__", None) not in OUR_MODULES
+       for fn in [*reward_funcs, eval_func]):
+    from trl_compat import reward_extras
+
+    reward_logs, score, evaluate, _ = reward_extras.install(
+        reward_funcs, eval_func, score, evaluate, None,
+        progress=lambda: (opt_step, consumed), train_prompts=len(train_rows),
+        batch_prompts=args.prompts_per_step, max_steps=opt_steps_total)
     # the rewards' log_metric values: each the mean over the step's calls and the
     # ranks (a collective), by the name given, as TRL's
-    if reward_logs is not None:
-        record.update(reward_logs.step_metrics(record))
+    step_loggers.append(lambda step, record, *_: record.update(reward_logs.step_metrics(record)))
+# --log-completions N: every N-th step's completions to completions.jsonl, cut
+# back as metrics.jsonl on a resume (runlog/completions.py); before the step's
+# record and checkpoint, so that a checkpoint's steps are whole in the file
+if args.log_completions:
+    from runlog import completions
 
-    # --log-completions N: each completion of every rank, before the step's record
-    # and checkpoint, so that a checkpoint's steps are whole in the file (a collective)
-    if args.log_completions and step % args.log_completions == 0:
-        extras = None  # log_extra's columns, where reward_extras.py scored the step
-        if reward_logs is not None:
-            extras = reward_logs.extra_columns
-        mine = completions.step_rows(step, rows, rollout, rewards[rank * N:(rank + 1) * N],
-                                     advantages, lengths, args.reward_weights, reward_names,
-                                     extras)
-        completions.log(completions_file, step, mine, reporter)
+    completions_file = completions.open_log(args.out_dir, start_step if resume_from else None)
+
+    def log_completions(step, record, rows, rollout, rewards, advantages):
+        if step % args.log_completions == 0:  # a collective
+            extras = None  # log_extra's columns (trl_compat/reward_extras.py)
+            if reward_logs is not None:
+                extras = reward_logs.extra_columns
+            lengths = rollout.completion_mask.sum(1)  # (N,)
+            mine = completions.step_rows(step, rows, rollout, rewards, advantages, lengths,
+                                         args.reward_weights, reward_names, extras)
+            completions.log(completions_file, step, mine, reporter)
+
+    step_loggers.append(log_completions)
+
+# -----------------------------------------------------------------------------
+# The GRPO loop: the first evaluation, then a step at a time
+metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
+metrics_file = None
+if master:
+    append_after = start_step if resume_from else None  # a resume keeps the steps before
+    metrics_file = checkpoint.open_metrics(metrics_path, append_after)
+if not resume_from:
+    record = dict(step=0, **evaluate())
+    print0(step_line(record))
+    if master:
+        metrics_file.write(json.dumps(record) + "\n")
+    if reporter:
+        reporter.log(record, 0)
+    mark("first evaluation")
+print0(startup_line(t_launch))
+
+t_start = time.time()
+bar = tqdm(range(start_step + 1, args.steps + 1), initial=start_step, total=args.steps,
+           disable=not master, dynamic_ncols=True)
+for step in bar:
+    times = dict(rollout=0.0, reward=0.0)
+
+    # 1) sample G completions for each of this rank's next prompts, and score them
+    (rows, rollout, rewards), prompts_drawn, sample_stats = sample_and_score(consumed)  # (N, F)
+    consumed += prompts_drawn
+
+    # 2) rewards (N, F), gathered from every rank -> group-relative advantages (N,)
+    t0 = time.time()
+    advantages, reward_stats = group_advantages(rewards)  # (N,)
+    times["reward"] += time.time() - t0
+
+    # 3) old and reference log-probs, then mu passes of minibatch updates
+    t0 = time.time()
+    # (B, P) x3 and (N,): the distinct prompts, left-padded (model.prompt_batch)
+    prompts = prompt_batch(rollout.prompt_ids, pad_id(tokenizer)).to(device)
+    model.eval()  # no dropout: the ratio must compare the same function
+    batch, rows_to_train = prepare_update(rollout, prompts, advantages)  # (N, ...), (n,)
+    micro_metrics, grad_norms = update(batch, prompts, rows_to_train, step)
+    times["update"] = time.time() - t0
+
+    # 4) push the new weights into the rollout engine
+    times["sync"] = sync_weights(model)["seconds"]
+
+    # 5) log one JSON record per step (rank 0); evaluate and checkpoint on schedule
+    record = dict(step=step, **reward_stats, **sample_stats)
+    record.update(step_metrics(micro_metrics, grad_norms))  # over all micro-batches and ranks
+    record.update(batch_metrics(batch, rollout, advantages, rows_to_train))
+    record["lr"] = cosine_lr(opt_step - 1, opt_steps_total, args.lr, args.warmup_steps)
+    record.update(resources(batch.completion_mask.sum().item()))
+    if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
+        record.update(evaluate())
+    for log_feature in step_loggers:  # each feature's numbers (attached above)
+        log_feature(step, record, rows, rollout, rewards, advantages)
 
     if master:
         metrics_file.write(json.dumps(record) + "\n")
@@ -789,11 +835,8 @@ for step in bar:
             reporter.log(record, step)
 
     if step % args.save_every == 0 or step == args.steps:
-        trainer_state = dict(step=step, opt_step=opt_step, prompts_consumed=consumed,
-                             entropy_coef=entropy_coef, last_entropy=last_entropy,
-                             config=run_config)
         checkpoint.save(ckpt_root, step, raw_model, optimizer, engine, tokenizer,
-                        trainer_state, args.keep_last, device,
+                        trainer_state(step), args.keep_last, device,
                         sampler and sampler.state_dict(), moving_reference)
 
 # -----------------------------------------------------------------------------

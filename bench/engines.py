@@ -48,7 +48,7 @@ def start_vllm(name, path, dtype, memory):
 
     It fails to start, for example, where it is not installed.
     """
-    from rollout import VLLMEngine
+    from engines.vllm_engine import VLLMEngine
 
     try:
         return VLLMEngine(path, seed=0, dtype=dtype, max_model_len=1024, **memory), None
@@ -125,7 +125,7 @@ def bench_rollout(args, runs=None, num_prompts=None, vocab_size=None, vllm_memor
     It prints the table and appends each row as a dict to rows (returned). Where
     vLLM fails to start, its fields are None and vllm_error says why; the HF
     figures still come. The last engine is closed at the end. close() ends vLLM's
-    process-wide state (rollout.py simplification 6), so earlier ones stay open.
+    process-wide state (engines/vllm_engine.py, simplification 4), so earlier ones stay open.
     """
     import task
     from fast.decode import FastHFEngine

@@ -115,7 +115,7 @@ def memory_step(args):
         logits = forward.logits(model, prompts, r, completion_ids[r], bf16)
         # the torch path's log-probs, as train.py's backward_micro takes them
         logps = forward.logps(logits, completion_ids[r], settings.temperature)  # (micro, T)
-        loss, _ = policy_loss(logits, batch.rows(r), settings, minibatch_size=n,
+        loss, _ = policy_loss(logits, batch.select(r), settings, minibatch_size=n,
                               minibatch_tokens=tokens, logps=logps)
         loss.backward()
         del logits, logps, loss

@@ -97,7 +97,8 @@ import torch.distributed as dist
 
 from common import in_background, print0, unwrap
 from model import pad_id
-from rollout import Engine, Rollout, full_named_parameters
+from engines.vllm_engine import full_named_parameters
+from rollout import Engine, Rollout
 
 # at most this many requests in flight per rank; vLLM queues beyond its own
 # batch (--max-num-seqs)

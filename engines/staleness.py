@@ -65,12 +65,16 @@ from common import ddp, in_background, print0, result_everywhere
 
 
 class AheadSampler:
-    def __init__(self, sample, max_staleness, prompts_per_step, steps, partial=False):
+    def __init__(self, sample, max_staleness, prompts_per_step, steps, partial=False,
+                 policy_version=0):
         """sample(offset) -> (rows, rollout, weight version, seconds): one
         batch of train.py's, the prompts at offset. max_staleness: N. The
         last batch is at offset (steps - 1) x prompts_per_step. partial:
-        --partial-rollouts (the rollouts then carry token_versions)."""
+        --partial-rollouts (the rollouts then carry token_versions).
+        policy_version: the trainer's weights version now (the steps done);
+        each sync advances it."""
         self.sample = sample
+        self.policy_version = policy_version
         self.max_staleness = max_staleness
         self.prompts_per_step = prompts_per_step
         self.steps = steps
@@ -96,11 +100,13 @@ class AheadSampler:
 
         self.batches[offset] = self.last = in_background(in_turn)
 
-    def take(self, offset, policy_version):
+    def take(self, offset, policy_version=None):
         """The batch at offset, for the trainer at policy_version (this step's
-        weights). Asks for the batches up to N steps ahead; drops and redraws
-        one more than N versions behind (each rank takes the same verdict:
-        their batches are drawn in step)."""
+        weights; None: the version the syncs so far left). Asks for the batches
+        up to N steps ahead; drops and redraws one more than N versions behind
+        (each rank takes the same verdict: their batches are drawn in step)."""
+        if policy_version is None:
+            policy_version = self.policy_version
         if offset not in self.batches:
             self.draw(offset)
 
@@ -131,6 +137,7 @@ class AheadSampler:
         (simplification 2) -> its result. times["wait"]: the seconds the
         trainer waited for them, where batches are drawn ahead. Under
         --partial-rollouts at once: the draws in flight pause meanwhile."""
+        self.policy_version += 1
         if self.partial:
             return engine.sync_weights(model, keep_in_flight=True)
 

@@ -18,7 +18,8 @@ What install swaps in, each where it applies:
    gradient into .grad as soon as it is computed, the norms' backward by hand,
    the per-position modules on real tokens), its log-probs and entropies by
    chunks, and the LM head fused with the log-prob where the loss needs
-   nothing else (CPU, fp32).
+   nothing else (CPU, fp32). dedup.py: one row of each set of identical
+   completions, weighed by its count.
 4. lora.py: a LoRA layer as one matmul of its merged weight (CPU).
 5. memory.py: the micro-batch for --micro-batch-size 0 (CPU: a few rows of a
    real vocabulary's logits), and glibc's malloc_trim after each optimizer step
@@ -47,6 +48,7 @@ def install(mode, *, args, model, reference, engine, optimizer, device, dtype, l
     """
     from common import unwrap
     from fast import update
+    from fast.dedup import unique_rows
     from fast.memory import MICRO_BATCH_LOGITS, auto_micro_batch, install_trims
     from model import Forward, full_attention, truncates
     from rollout import HFEngine
@@ -85,7 +87,8 @@ def install(mode, *, args, model, reference, engine, optimizer, device, dtype, l
             and not needs_logits):
         head_logps = update.completion_logps
     forward = Forward(logits=update.completion_logits, logps=update.selective_log_softmax,
-                      entropies=update.entropy_from_logits, head_logps=head_logps)
+                      entropies=update.entropy_from_logits, head_logps=head_logps,
+                      distinct_rows=unique_rows)
     done.append("the update's forward" + (", its LM head fused" if head_logps else ""))
 
     # 4) the micro-batch, and the heap's free pages handed back (CPU)

@@ -21,7 +21,8 @@ from tools import environment
 from tools.environment import load_specs
 from helpers import fine_tune, read_metrics, run_train, without_timings
 from reward import accuracy_reward, environment_reward_func, final_number_reward, score
-from rollout import Engine, HFEngine, VLLMEngine
+from engines.vllm_engine import VLLMEngine
+from rollout import Engine, HFEngine
 from task import TEXT_CHARS, build_tiny_model, build_tokenizer
 from tools.tool_format import TemplateFormat, read_call, supports_tools
 from tools.multiturn import ToolEngine, ToolRollout

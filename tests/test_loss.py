@@ -11,7 +11,9 @@ import math
 import pytest
 import torch
 
-from batch import UpdateBatch, high_entropy_mask, quantile_over_ranks, unique_rows
+from batch import UpdateBatch
+from fast.dedup import unique_rows
+from variants.high_entropy import high_entropy_mask, quantile_over_ranks
 from config import CLIPPED_LOSS_TYPES, LOSS_TYPES
 from loss import (LossSettings, check_settings, choose_impl, grpo_loss, importance_weight,
                   off_policy_keep, policy_loss, policy_weight)
@@ -345,7 +347,7 @@ def test_micro_batch_losses_add_up_to_the_minibatch_loss(loss_type, options):
 
         for i in range(0, 4, micro):
             r = slice(i, i + micro)
-            part = batch.rows(r)
+            part = batch.select(r)
             share, metrics = policy_loss(logits[r], part, settings, minibatch_size=4,
                                          minibatch_tokens=tokens)
             assert metrics["loss"] == pytest.approx(share.item())
@@ -754,7 +756,7 @@ UNIQUE_CASES = [
 def test_unique_rows_with_counts_are_the_whole_batch(loss_type, options, impl,
                                                      monkeypatch):
     """train.py trains one row of each set of identical completions, weighed by
-    its count (batch.unique_rows).
+    its count (fast/dedup.py).
 
     The loss, the gradient of every distinct row's logits and the step's
     metrics are those of the whole batch, for every loss type and knob, on both
@@ -771,7 +773,7 @@ def test_unique_rows_with_counts_are_the_whole_batch(loss_type, options, impl,
 
     # (N,) the whole batch: rows 0 and 2 repeat
     index = torch.tensor([0, 0, 1, 2, 2, 2, 3])
-    whole = batch.rows(index)
+    whole = batch.select(index)
     keep, counts = unique_rows(index, whole.completion_ids, whole.completion_mask,
                                whole.advantages)
     assert keep.tolist() == [0, 2, 3, 6] and counts.tolist() == [2, 1, 3, 1]
@@ -789,7 +791,7 @@ def test_unique_rows_with_counts_are_the_whole_batch(loss_type, options, impl,
         grad = 0.0
         micro_metrics = []
         for rows in parts:
-            share, metrics = policy_loss(logits[rows], source.rows(rows), settings,
+            share, metrics = policy_loss(logits[rows], source.select(rows), settings,
                                          minibatch_size=7, minibatch_tokens=tokens)
             loss = loss + share
             grad = grad + torch.autograd.grad(share, logits)[0]

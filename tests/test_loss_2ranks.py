@@ -84,7 +84,7 @@ def train_micro_batches(model, x, local, settings, tokens):
     for i in range(0, N, 2):
         model.require_backward_grad_sync = i + 2 == N
         r = slice(i, i + 2)
-        loss, metrics = policy_loss(model(x.hidden[rank, r]), local.rows(r), settings,
+        loss, metrics = policy_loss(model(x.hidden[rank, r]), local.select(r), settings,
                                     minibatch_size=N, minibatch_tokens=tokens)
         loss.backward()
         micro_metrics.append(metrics)
@@ -141,7 +141,8 @@ def check_batch_masks(x):
     completions, and the sampler's knobs: 2 ranks against one process."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from batch import UpdateBatch, high_entropy_mask
+    from batch import UpdateBatch
+    from variants.high_entropy import high_entropy_mask
     from loss import LossSettings, policy_loss
     from runlog.metrics import step_metrics
     from reduction import minibatch_tokens

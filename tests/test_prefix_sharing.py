@@ -14,7 +14,8 @@ import fast.update
 from fast.update import (RMS_NORMS, RMSNormFunction, completion_logits, completion_logps,
                          fusable_head, rms_norms_by_hand, selective_log_softmax)
 from helpers import fast_forward
-from model import Forward, prompt_batch, recompute_layers, sequence_batch, sequence_logps
+from model import Forward, prompt_batch, sequence_batch, sequence_logps
+from scale.recompute import recompute_layers
 
 
 def whole_sequence_logits(model, prompt_ids, completion_ids):

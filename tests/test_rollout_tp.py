@@ -35,7 +35,8 @@ def main(out_dir):
     import torch.distributed as dist
 
     sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
-    from rollout import VLLMEngine, call_seed
+    from engines.vllm_engine import VLLMEngine
+    from rollout import call_seed
     from task import build_tiny_model, build_tokenizer
     from test_rollout import perturbed, trainer_logps
 
@@ -112,7 +113,7 @@ def main(out_dir):
     # per rank, so rank 1 holds only padding and loads nothing.
     print(f"rank {rank} PASS", flush=True)
 
-    # also destroys the default process group (rollout.py simplification 6)
+    # also destroys the default process group (engines/vllm_engine.py, simplification 4)
     engine.close()
 
 

@@ -28,7 +28,8 @@ from loss_calls import call_policy_loss
 from model import completion_logits, pad_id, prompt_batch
 from reduction import minibatch_tokens
 from reward import score
-from rollout import Engine, HFEngine, VLLMEngine
+from engines.vllm_engine import VLLMEngine
+from rollout import Engine, HFEngine
 from task import TEXT_CHARS, build_tiny_model, build_tokenizer
 from tools.environment import load_specs
 from fast.decode import FastHFEngine

