@@ -145,7 +145,7 @@ class Engine:
     """
 
     calls = 0  # generate calls so far: the position in the sampling streams
-    tp_group = None  # the tensor-parallel group sharing this engine (simplification 2)
+    tp_group = None  # the tensor-parallel group sharing this engine (rollout.py, simplification 2)
     tp_rank = 0
 
     def generate(self, prompt_ids, G, max_new_tokens, temperature=1.0, **sampling):

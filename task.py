@@ -147,7 +147,7 @@ def make_sort_dataset(num_digits=3, num_train=20000, num_test=500, test_frac=0.2
             test_strings[a] = strings[:k]
         else:
             # too few strings to split (answers 0 and 1): share them, see
-            # simplification 2
+            # task.py, simplification 2
 
             train_strings[a] = strings
             test_strings[a] = strings

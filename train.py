@@ -227,7 +227,7 @@ try:
 except (ValueError, FileNotFoundError) as e:
     fail(str(e))
 ref_model = None
-if args.beta > 0:  # simplification 3
+if args.beta > 0:  # train.py, simplification 3
     ref_model = load_reference(raw_model, init_path, dtype, device, args.fsdp)
 model = raw_model  # what the forwards call: DDP's wrapper, or FSDP2's sharded model
 if ddp and not args.fsdp:
@@ -441,7 +441,7 @@ def group_advantages(rewards):
     """This rank's rewards (N, F) -> (its (N,) advantages, the step's reward numbers).
 
     The rewards of every rank are gathered first: the groups' and the batch's
-    statistics are over the whole batch (simplification 1).
+    statistics are over the whole batch (train.py, simplification 1).
     """
     N = rewards.shape[0]
     rewards = rewards.to(device)  # (N, F)
@@ -471,7 +471,7 @@ def prepare_update(rollout, prompts, advantages):
     N = completion_ids.shape[0]
     by_micro = dict(temperature=args.temperature, micro=micro, dtype=dtype)
 
-    # the ratio's denominator; None: on-policy, the ratio is 1 (simplification 2)
+    # the ratio's denominator; None: on-policy, the ratio is 1 (train.py, simplification 2)
     is_corrected = loss_settings.is_correction != "off"  # against the sampler's log-probs
     old_logps = None  # (N, T)
     if args.max_staleness and not is_corrected:  # the behaviour policy's (README: --async)

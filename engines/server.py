@@ -52,8 +52,8 @@ Simplifications:
    data-parallel replicas included). UNTESTED here (CUDA on both sides); it
    follows vllm/distributed/weight_transfer/nccl_engine.py of vLLM 0.32.
 2. The client picks the sampling stream: each request carries a seed, from the
-   engine's seed, its call number and the request's first row (rollout.py
-   simplification 2). vLLM seeds a request's n completions seed, seed+1, ...
+   engine's seed, its call number and the request's first row (rollout.py,
+   simplification 1). vLLM seeds a request's n completions seed, seed+1, ...
    A fresh seed per request: a reused one would sample the same completions.
 3. sync_weights opens with a barrier: every rank's generation in flight
    (train.py --max-staleness) is done before rank 0 sends, so no batch mixes
@@ -104,7 +104,7 @@ from rollout import Engine, Rollout
 # batch (--max-num-seqs)
 CONCURRENT_REQUESTS = 64
 # rows of one generate call, at most: the per-request seeds of two calls never
-# overlap (simplification 2)
+# overlap (engines/server.py, simplification 2)
 ROWS_PER_CALL = 2**20
 # a tokenizer probe (POST /tokenize): the text of the first tokens
 PROBE_TOKENS = 256
@@ -119,7 +119,7 @@ RESTART = "restart it and resume training from the last checkpoint"
 def request_seed(call_seed, row):
     """The seed of the request whose completions start at `row` of a generate
     call: its n completions use seed, seed + 1, ... (vLLM's parallel sampling),
-    so no two rows of any calls share one (simplification 2)."""
+    so no two rows of any calls share one (engines/server.py, simplification 2)."""
     return (call_seed * ROWS_PER_CALL + row) % 2**63
 
 
@@ -180,7 +180,7 @@ def error_message(body):
 @dataclass
 class VersionedRollout(Rollout):
     # (N, T) long: the weights version that sampled each token, -1 past the end
-    # (--partial-rollouts; simplification 6)
+    # (--partial-rollouts; engines/server.py, simplification 6)
     token_versions: torch.Tensor = None
 
 
@@ -194,12 +194,12 @@ class RemoteEngine(Engine):
         model of model_config (a transformers config; None: no check) with
         this tokenizer, rows of max_len tokens (None: no check) and the
         sampler's log-probs. timeout (s): the longest a request may take.
-        weight_transfer: "file" (CPU, simplification 1), "nccl" (GPUs: a server
+        weight_transfer: "file" (CPU, engines/server.py, simplification 1), "nccl" (GPUs: a server
         started with the nccl backend) or "auto" (nccl when both sides can).
         snapshot_dir: where rank 0 writes the weights' file (default: a new
         folder in /dev/shm where it fits, else in the temporary folder).
         partial_rollouts: sample through vLLM's /inference/v1/generate, whose
-        replies name the weights version of each token (simplification 6). A
+        replies name the weights version of each token (engines/server.py, simplification 6). A
         fault raises ConnectionError, in one line.
         """
         self.url = url.rstrip("/")
@@ -343,7 +343,7 @@ class RemoteEngine(Engine):
         # vLLM 0.32's CPU worker rewinds a seeded request's generator after a
         # chunk of prefill, which a CPU generator cannot do: the engine dies
         # ("CPU Generator does not use offset") once requests arrive while others
-        # decode. Every request of ours carries a seed (simplification 2)
+        # decode. Every request of ours carries a seed (engines/server.py, simplification 2)
         if info.get("device") == "cpu" and info.get("chunked_prefill"):
             refuse("runs on CPU with chunked prefill, where vLLM 0.32 fails seeded "
                    "requests whose prompt is split (CPU Generator does not use "
@@ -437,7 +437,7 @@ class RemoteEngine(Engine):
         # "stop": EOS, not length
         finished = [c["finish_reason"] == "stop" for c in choices]
 
-        # the weights that sampled them (simplification 4)
+        # the weights that sampled them (engines/server.py, simplification 4)
         self.local.weight_version = self.check_version()
         return ids, logps, finished
 
@@ -534,7 +534,7 @@ class RemoteEngine(Engine):
         the last + 1. A collective: every rank gathers (FSDP2) and takes rank 0's
         verdict (a refused or failed send raises ConnectionError).
         keep_in_flight (--partial-rollouts): the generations in flight pause
-        meanwhile and go on with the new weights (simplification 6)."""
+        meanwhile and go on with the new weights (engines/server.py, simplification 6)."""
         start = time.perf_counter()
         counter = {"bytes": 0}
         distributed, rank = process_group()
@@ -545,7 +545,7 @@ class RemoteEngine(Engine):
             version = self.version + 1
         self.version = version
 
-        # every rank's generation in flight is done (simplification 3), or
+        # every rank's generation in flight is done (engines/server.py, simplification 3), or
         # paused (6)
         if distributed:
             dist.barrier()
@@ -583,7 +583,7 @@ class RemoteEngine(Engine):
         """Drop the KV entries the old weights computed. vLLM refuses while
         requests hold blocks (another client's): retry for a while.
         recompute_running: the paused requests' too, which vLLM then recomputes
-        with the new weights before they go on (simplification 6)."""
+        with the new weights before they go on (engines/server.py, simplification 6)."""
         deadline = time.monotonic() + wait_s
         path = "/reset_prefix_cache"
         if recompute_running:
@@ -666,7 +666,7 @@ class RemoteEngine(Engine):
         """vLLM's trainer-side NCCL engine (vllm/distributed/weight_transfer/
         nccl_engine.py): rank 0 broadcasts packed buckets to every server worker,
         while the server's /update_weights receives them. UNTESTED here (CUDA on
-        both sides): simplification 1."""
+        both sides): engines/server.py, simplification 1."""
         from vllm.distributed.weight_transfer import (
             ParamMeta,
             WeightSource,

@@ -83,7 +83,7 @@ class AheadSampler:
         self.token_lag = None
         # offset -> a Future of its batch: drawn, or being drawn
         self.batches = {}
-        # the last draw asked for: the next waits for it (simplification 1)
+        # the last draw asked for: the next waits for it (engines/staleness.py, simplification 1)
         self.last = None
         # batches dropped since the last record
         self.dropped = 0
@@ -134,7 +134,7 @@ class AheadSampler:
 
     def sync(self, engine, model, times):
         """engine.sync_weights(model) once every draw asked for is in
-        (simplification 2) -> its result. times["wait"]: the seconds the
+        (engines/staleness.py, simplification 2) -> its result. times["wait"]: the seconds the
         trainer waited for them, where batches are drawn ahead. Under
         --partial-rollouts at once: the draws in flight pause meanwhile."""
         self.policy_version += 1
@@ -176,7 +176,7 @@ class AheadSampler:
 
     def state_dict(self):
         """The batches drawn and not yet trained (after a sync: none in flight),
-        by offset, for the checkpoint (simplification 3)."""
+        by offset, for the checkpoint (engines/staleness.py, simplification 3)."""
         return {offset: future.result() for offset, future in sorted(self.batches.items())}
 
     def load_state_dict(self, pending, next_offset):

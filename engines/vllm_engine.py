@@ -53,7 +53,7 @@ def cpu_kv_cache_bytes(config, max_model_len, dtype, ram_fraction, max_num_seqs=
                        block=128, row_tokens=None):
     """The KV cache of max_num_seqs sequences of row_tokens (default
     max_model_len) each, KV_MARGIN more, and at least one of max_model_len;
-    capped at ram_fraction of RAM (simplification 5). vLLM's default CPU batch
+    capped at ram_fraction of RAM (engines/vllm_engine.py, simplification 5). vLLM's default CPU batch
     is 256 sequences."""
     text = config.get_text_config()
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
@@ -96,10 +96,10 @@ class VLLMEngine(Engine):
         if dtype in (None, "auto"):
             dtype = config.dtype or torch.float32
 
-        # start-up on CPU: simplification 5
+        # start-up on CPU: engines/vllm_engine.py, simplification 5
         self.on_cpu = not torch.cuda.is_available()
         self.kv_cache_bytes = None
-        self.asleep = False  # simplification 6
+        self.asleep = False  # engines/vllm_engine.py, simplification 6
         # vLLM schedules at most its max_num_seqs (256 by default) at once
         self.kv_rows = min(max_rows or VLLM_MAX_NUM_SEQS,
                            llm_kwargs.get("max_num_seqs", VLLM_MAX_NUM_SEQS))
@@ -154,7 +154,7 @@ class VLLMEngine(Engine):
     def _join_ranks(self, distributed, tensor_parallel_size, llm_kwargs):
         """Under torchrun: one engine per rank, or per tensor-parallel group of ranks.
 
-        Sets llm_kwargs' executor and this engine's group (simplification 3).
+        Sets llm_kwargs' executor and this engine's group (engines/vllm_engine.py, simplification 3).
         """
         # vLLM alone also initialises a 1-process group
         if distributed is None:
@@ -233,7 +233,7 @@ class VLLMEngine(Engine):
         The layers' packed copies are dropped, and the buffer's storage is
         resized to 0 with its views kept (FSDP's way of freeing a parameter).
         sync_weights then repacks every layer it sends (reload_weights), and
-        gives the buffer back zeroed, as vLLM starts it (simplification 6).
+        gives the buffer back zeroed, as vLLM starts it (engines/vllm_engine.py, simplification 6).
 
         A no-op on GPU (vLLM's own sleep mode needs enable_sleep_mode at start)
         and for tensor-parallel shards, whose reload refills only some layers.
@@ -245,7 +245,7 @@ class VLLMEngine(Engine):
 
     def close(self):
         if getattr(self, "llm", None) is not None:
-            # the default group too: simplification 4
+            # the default group too: engines/vllm_engine.py, simplification 4
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
 

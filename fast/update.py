@@ -47,7 +47,7 @@ def completion_logits(model, prompts, rows, completion_ids, dtype=torch.float32,
     Prefix sharing: the G completions of a prompt share its forward. That is
     B*(P-1) + n*T tokens instead of n*(P+T), with the same logits and gradients
     to rounding (tests/test_prefix_sharing.py). FSDP2 models run whole sequences
-    (simplification 2).
+    (fast/update.py, simplification 2).
     """
     prompt_ids, prompt_mask, positions, prompt_row = prompts  # (B, P) x3, (N,)
     row = prompt_row[rows]  # (n,) the prompt of each completion of this micro-batch

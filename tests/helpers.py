@@ -42,7 +42,7 @@ def start_zygotes():
                                       stdout=log, stderr=log))
         os.environ[f"TINYGRPO_ZYGOTE_{kind.upper()}"] = os.path.join(folder, kind)
 
-    # theirs (zygote.py: simplification 2)
+    # theirs (zygote.py, simplification 2)
     os.environ["TINYGRPO_ZYGOTE_PYTHONPATH"] = os.path.join(ROOT, "tests")
 
     def stop():

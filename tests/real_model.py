@@ -127,7 +127,7 @@ def smollm2_dir(root=None):
 
     Converted from the installed GGUF file on the first call (about 35 s) and
     reused while its source.json matches the file. Safe when several processes
-    ask at once (simplification 2).
+    ask at once (real_model.py, simplification 2).
     """
     reason = missing()
     if reason:

@@ -58,7 +58,7 @@ class FenceFormat:
 
     def result_ids(self, text, calls, results):
         """The output as "```output\\n{output}\\n```\\n" tokens, at most
-        output_tokens: the end of the output kept (simplification 2)."""
+        output_tokens: the end of the output kept (tools/tool_format.py, simplification 2)."""
         lead = "" if text.endswith("\n") else "\n"
         head = encode(self.tokenizer, lead + "```output\n")
         tail = encode(self.tokenizer, "\n```\n")
