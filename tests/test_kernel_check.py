@@ -122,11 +122,13 @@ def test_a_fork_that_edits_loss_py_stops_at_start_up(tmp_path):
     fork = tmp_path / "fork"
     shutil.copytree(ROOT, fork, ignore=shutil.ignore_patterns(
         ".git", "__pycache__", "tests", "bench", "docs", "*.png"))
-    source = (fork / "loss.py").read_text()
-    line = "    per_token = -torch.min(capped_ratio * A, clipped_ratio * A)  # (B, T)\n"
-    assert source.count(line) == 1, "loss.py's clipped objective moved: update this test"
-    edited = line.replace("-torch.min(", "-1.5 * torch.min(")
-    (fork / "loss.py").write_text(source.replace(line, edited))
+    lines = (fork / "loss.py").read_text().splitlines(keepends=True)
+    objective = [i for i, x in enumerate(lines) if x.lstrip().startswith("per_token = -torch.min(")]
+    assert len(objective) == 1, "loss.py's clipped objective moved: update this test"
+    i = objective[0]
+    lines[i] = lines[i].replace("-torch.min(", "-1.5 * torch.min(", 1)
+    (fork / "loss.py").write_text("".join(lines))
+    assert "per_token = -1.5 * torch.min(" in (fork / "loss.py").read_text()
 
     cmd = [sys.executable, "train.py", "--loss-impl", "triton", "--steps", "1",
            "--eval-every", "0", "--eval-size", "40", "--engine", "hf",
