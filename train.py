@@ -146,6 +146,10 @@ if args.report_to or args.wandb:
 # Setup: data, model, reference, optimizer, rollout engine, the resumed state
 loss_impl, loss_why = choose_impl(args.loss_impl, device, args.importance_sampling_level,
                                   args.loss_type)
+if loss_impl == "triton":  # held to loss.py on this run's settings first (kernels/check.py)
+    from kernels.check import checked_impl
+    loss_impl, loss_why = checked_impl(args.loss_impl, loss_why,
+                                       LossSettings.from_flags(args, loss_impl), device)
 # the sampler's filters; the trainer replays top-k, top-p and min-p on its own
 # logits, so that its log-probs are over the same truncated support (model.py)
 truncation = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)

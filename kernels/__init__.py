@@ -1,6 +1,8 @@
 """Fused Triton kernels. The plain-PyTorch reference each one must match lives
 in loss.py, and loss.policy_loss is their one caller in training (loss.py's
-choose_impl says when it calls them).
+choose_impl says when it calls them). check.py holds them to it on each run's
+own settings, at start-up: a run whose loss.py was edited and its kernel not
+uses loss.py instead (--loss-impl auto), or stops (--loss-impl triton).
 
 Importing this package does not import Triton: the first use of a kernel does
 (PEP 562 __getattr__). transformers probes the module name `kernels` (the HF
@@ -8,7 +10,8 @@ kernels hub package) when it loads a model, and from the repo root it finds
 this one. An eager import would pull in Triton there, and a machine without
 Triton could not run train.py at all, not even its PyTorch path.
 
-Run the tests: python -m pytest -q tests/test_kernel.py tests/test_imports.py
+Run the tests: python -m pytest -q tests/test_kernel.py tests/test_kernel_check.py
+tests/test_imports.py
 """
 __all__ = ["fused_grpo_token_loss"]
 
