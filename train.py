@@ -73,7 +73,7 @@ import checkpoint
 import config
 import data
 import task
-from advantage import compute_advantages, dynamic_sampling
+from advantage import compute_advantages
 from batch import UpdateBatch, high_entropy_mask, policy_entropies, unique_rows
 from common import (barrier, ddp, fail, mark, master,
                     print0, rank, seed_all, setup, startup_line,
@@ -84,7 +84,7 @@ from model import (Forward, load_model, load_reference, load_tokenizer, pad_id, 
                    sequence_logps, truncate_logits, wrap_ddp)
 from reduction import kept_mask, minibatch_tokens
 from reward import (
-    OUR_MODULES,
+    extras_named,
     final_number_reward,
     get_reward_funcs,
     get_soft_overlong_punishment,
@@ -365,6 +365,28 @@ def sample(consumed):
     return rows, rollout, getattr(engine, "weight_version", None), time.time() - t0
 
 
+def sample_and_score(consumed):
+    """One round: sample (or, --max-staleness, take the batch drawn ahead) and
+    score -> ((rows, rollout, rewards (N, F)), prompts drawn, {}).
+
+    Its seconds add to the step's times; sampler_version: the weights that
+    sampled it (server mode; else None).
+    """
+    global sampler_version
+    if sampler:  # drawn ahead; the next ones are asked for now, drawn meanwhile
+        rows, rollout, sampler_version, seconds = sampler.take(consumed, step - 1)
+    else:
+        rows, rollout, sampler_version, seconds = sample(consumed)
+    t0 = time.time()
+    rewards = score(reward_funcs, rows, rollout, conversational, args.reward_timeout,
+                    reward_logs)  # (N, F)
+    if reward_logs:  # log_extra's columns go with their rows (dynamic sampling keeps rows)
+        rows = reward_logs.with_columns(rows)
+    times["rollout"] += seconds
+    times["reward"] += time.time() - t0
+    return (rows, rollout, rewards), args.prompts_per_step, {}
+
+
 @torch.no_grad()
 def evaluate():
     """Held-out accuracy over all ranks, greedy and sampled, and pass@k.
@@ -388,7 +410,8 @@ def evaluate():
         rollout = engine.generate(ids, g, args.max_new_tokens, temperature=temperature,
                                   **sampling, **extra)
         rows_g = [r for r in rows for _ in range(g)]
-        rewards = score([eval_func], rows_g, rollout, conversational, args.reward_timeout)
+        rewards = score([eval_func], rows_g, rollout, conversational, args.reward_timeout,
+                        eval_logs)
         truncated = ~rollout.is_finished.view(-1, g)
         return rewards[:, 0].nan_to_num().view(-1, g), truncated
 
@@ -411,6 +434,8 @@ def evaluate():
                   eval_sampled=means[2])
     for k, p in zip(eval_k, means[3:]):
         result[f"pass@{k}"] = p
+    if eval_logs:  # its reward's log_metric values, as eval_NAME (a collective)
+        result.update(eval_logs.step_metrics(result))
     return result
 
 
@@ -577,19 +602,25 @@ def mix_reference(reference, policy, alpha):
 # -----------------------------------------------------------------------------
 # The GRPO loop
 opt_steps_total = args.steps * args.num_iterations * (n_local // minibatch)
-# TRL's reward extras (reward_extras.py): trainer_state, log_metric, log_extra and
-# `async def` rewards, for a user's function that takes them (ours never do: the
-# modules in reward.OUR_MODULES). install swaps in a score, an evaluate and a
-# dynamic_sampling that pass and collect them
-reward_logs = None  # what they logged; a completions log reads reward_logs.extra_columns
-if any(getattr(fn, "__module__", None) not in OUR_MODULES
-       for fn in [*reward_funcs, eval_func]):
+# TRL's reward extras (trl_compat/reward_extras.py): trainer_state, log_metric and
+# log_extra, for the reward functions that name them; what training's and
+# evaluation's calls logged
+reward_logs = None
+eval_logs = None
+if any(extras_named(fn) for fn in [*reward_funcs, eval_func]):
     from trl_compat import reward_extras
 
-    reward_logs, score, evaluate, dynamic_sampling = reward_extras.install(
-        reward_funcs, eval_func, score, evaluate, dynamic_sampling,
+    reward_logs, eval_logs = reward_extras.open_logs(
         progress=lambda: (opt_step, consumed), train_prompts=len(train_rows),
         batch_prompts=args.prompts_per_step, max_steps=opt_steps_total)
+# --dynamic-sampling N: rounds until each rank holds its share of groups with
+# signal (DAPO; variants/dynamic_sampling.py)
+if args.dynamic_sampling:
+    from variants.dynamic_sampling import with_dynamic_sampling
+
+    sample_and_score = with_dynamic_sampling(sample_and_score, args.dynamic_sampling,
+                                             args.G, args.reward_weights, pad_id(tokenizer),
+                                             args.reward_aggregation)
 metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
 metrics_file = None
 if master:
@@ -627,25 +658,9 @@ for step in bar:
     # 1) sample G completions for each of this rank's next prompts and score
     #    them. --async: the batch was sampled while the last step trained.
     #    --dynamic-sampling: drop the groups of equal rewards and draw more
-    #    rounds until each rank holds its share of others (advantage.py).
-    rounds = []
-    sampled = None
-    while sampled is None:
-        if sampler:  # drawn ahead; the next ones are asked for now, drawn meanwhile
-            rows, rollout, sampler_version, seconds = sampler.take(consumed, step - 1)
-        else:
-            rows, rollout, sampler_version, seconds = sample(consumed)
-        consumed += args.prompts_per_step
-        t1 = time.time()
-        rewards = score(reward_funcs, rows, rollout, conversational,
-                        args.reward_timeout)  # (N, F)
-        rounds.append((rows, rollout, rewards))
-        times["rollout"] += seconds
-        times["reward"] += time.time() - t1
-        sampled = dynamic_sampling(rounds, args.dynamic_sampling, args.G,
-                                   args.reward_weights, pad_id(tokenizer),
-                                   args.reward_aggregation)
-    (rows, rollout, rewards), sampling_stats = sampled
+    #    rounds until each rank holds its share of others.
+    (rows, rollout, rewards), drawn, sampling_stats = sample_and_score(consumed)
+    consumed += drawn
     N = rollout.completion_ids.shape[0]
 
     # 2) rewards (N, F), gathered from every rank -> group-relative advantages (N,)
@@ -771,9 +786,9 @@ for step in bar:
     # --log-completions N: each completion of every rank, before the step's record
     # and checkpoint, so that a checkpoint's steps are whole in the file (a collective)
     if args.log_completions and step % args.log_completions == 0:
-        extras = None  # log_extra's columns, where reward_extras.py scored the step
+        extras = None  # log_extra's columns, which the rows carry (reward_extras.py)
         if reward_logs is not None:
-            extras = reward_logs.extra_columns
+            extras = reward_logs.columns_of(rows)
         mine = completions.step_rows(step, rows, rollout, rewards[rank * N:(rank + 1) * N],
                                      advantages, lengths, args.reward_weights, reward_names,
                                      extras)
