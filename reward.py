@@ -13,8 +13,8 @@ it), each run in a thread under --reward-timeout. score does it for a rollout,
 and stops every rank if one fails. Built-in and user functions take this one
 path. TRL's extras (trainer_state, log_metric, log_extra) go to the functions
 that name them, collected by trl_compat/reward_extras.py's RewardLogs, which
-train.py makes only when one does; `async def` functions are awaited on its
-event loop (simplifications 6 and 7).
+train.py opens only when one does; `async def` functions are awaited on that
+file's event loop (simplifications 6 and 7).
 
 Built-ins, by name (REWARD_FUNCS): accuracy_reward and reasoning_accuracy_reward
 (math-verify), think_format_reward, exact_match_reward, final_number_reward
@@ -39,7 +39,8 @@ Simplifications:
 6. TRL passes trainer_state, log_metric and log_extra to every function (its
    docs ask for **kwargs). Here a function gets those it names as parameters; a
    bare **kw gets none, so that one that names its columns and has no **kw keeps
-   working, and a run whose functions name none never loads reward_extras.py.
+   working, and a run whose functions name none (and none async) never loads
+   reward_extras.py.
 7. `async def` functions run after the sync ones, awaited together on one event
    loop (asyncio.gather, as TRL), all under one --reward-timeout; each sync one
    has its own.
