@@ -10,9 +10,11 @@ are then the conversation of assistant and tool turns.
 
 compute_rewards stacks F of them into (N, F), NaN for None (advantage.py skips
 it), each run in a thread under --reward-timeout. score does it for a rollout,
-and stops every rank if one fails. TRL's extra keywords (trainer_state,
-log_metric, log_extra) and `async def` functions: reward_extras.py, which
-train.py loads only for a user's function that takes them.
+and stops every rank if one fails. Built-in and user functions take this one
+path. TRL's extras (trainer_state, log_metric, log_extra) go to the functions
+that name them, collected by trl_compat/reward_extras.py's RewardLogs, which
+train.py opens only when one does; `async def` functions are awaited on that
+file's event loop (simplifications 6 and 7).
 
 Built-ins, by name (REWARD_FUNCS): accuracy_reward and reasoning_accuracy_reward
 (math-verify), think_format_reward, exact_match_reward, final_number_reward
@@ -34,9 +36,18 @@ Simplifications:
 5. A reward model sees the dataset's prompt (as in TRL), not the policy's
    rendered text, and nothing is truncated: prompt + completion must fit its
    context.
+6. TRL passes trainer_state, log_metric and log_extra to every function (its
+   docs ask for **kwargs). Here a function gets those it names as parameters; a
+   bare **kw gets none, so that one that names its columns and has no **kw keeps
+   working, and a run whose functions name none (and none async) never loads
+   reward_extras.py.
+7. `async def` functions run after the sync ones, awaited together on one event
+   loop (asyncio.gather, as TRL), all under one --reward-timeout; each sync one
+   has its own.
 """
 import functools
 import importlib
+import inspect
 import logging
 import math
 import numbers
@@ -245,9 +256,6 @@ def get_soft_overlong_punishment(max_completion_len, soft_punish_cache):
     return soft_overlong_punishment
 
 
-# the modules of our own reward functions: none takes TRL's extras, so a run of
-# only these never imports reward_extras.py (train.py's door)
-OUR_MODULES = ("reward", "task")
 REWARD_FUNCS = {
     fn.__name__: fn
     for fn in (accuracy_reward, reasoning_accuracy_reward, think_format_reward,
@@ -348,6 +356,32 @@ def get_reward_funcs(names):
     return funcs
 
 
+# the keywords TRL adds to the batch's columns (GRPOTrainer._calculate_rewards)
+EXTRAS = ("trainer_state", "log_metric", "log_extra")
+
+
+def extras_named(fn):
+    """The EXTRAS fn names as parameters (simplification 6: **kw gets none). A
+    signature inspect cannot read (some builtins) names none."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return ()
+
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(k for k in EXTRAS if k in params and params[k].kind in named)
+
+
+def is_async(fn):
+    """Whether fn(...) returns a coroutine, as TRL's is_async_callable: an
+    `async def` function, a partial of one, or an object whose __call__ is one."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None))
+
+
 def _call(fn, name, timeout, kwargs):
     """fn(**kwargs) in a daemon thread, for at most timeout seconds (None:
     forever). A hang cannot block the exit, and an exit (SystemExit: any
@@ -379,20 +413,41 @@ def _call(fn, name, timeout, kwargs):
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
-def compute_rewards(funcs, prompts, completions, timeout=None, /, **columns):
-    """Each function once on the batch, in a thread, for at most timeout seconds
-    -> rewards (N, F) float32, NaN where it said None. RuntimeError or ValueError
-    naming a function that fails."""
+def compute_rewards(funcs, prompts, completions, timeout=None, extras=None, /, **columns):
+    """Each function once on the batch -> rewards (N, F) float32, NaN where it said
+    None. RuntimeError or ValueError naming a function that fails.
+
+    A sync function runs in a thread, for at most timeout seconds; the `async def`
+    ones are awaited together after them, for at most timeout seconds in all
+    (simplification 7). extras: each function's extra keywords (F dicts: the
+    EXTRAS it names, reward_extras.RewardLogs.begin), or None.
+    """
     N = len(completions)
     rewards = torch.full((N, len(funcs)), math.nan)  # (N, F)
 
+    waiting = []  # the async ones: (f, fn, name, keywords)
     for f, fn in enumerate(funcs):
         name = getattr(fn, "__name__", repr(fn))
         kwargs = dict(prompts=prompts, completions=completions, **columns)
+        if extras is not None:
+            kwargs.update(extras[f])
+        if is_async(fn):
+            waiting.append((f, fn, name, kwargs))
+            continue
         values = _call(fn, name, timeout, kwargs)
         _check_values(values, name, N, completions)
         floats = [math.nan if v is None else float(v) for v in values]
         rewards[:, f] = torch.tensor(floats)
+
+    if waiting:
+        # here, not at the top: a run of sync functions starts no event loop
+        from trl_compat.reward_extras import await_together
+
+        results = await_together([call[1:] for call in waiting], timeout)
+        for (f, _, name, _), values in zip(waiting, results):
+            _check_values(values, name, N, completions)
+            rewards[:, f] = torch.tensor([math.nan if v is None else float(v)
+                                          for v in values])
 
     return rewards
 
@@ -434,10 +489,15 @@ def pass_at_k(n, c, k):
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
-def score(funcs, rows, rollout, conversational, timeout):
+def score(funcs, rows, rollout, conversational, timeout, reward_logs=None):
     """Rewards (N, F) of a rollout (rows: its dataset row per completion), NaN for
     no opinion. A reward that raised, exited or took over timeout seconds stops
-    every rank alike."""
+    every rank alike.
+
+    reward_logs: None, or trl_compat/reward_extras.py's RewardLogs, which hands
+    each function the EXTRAS it names and keeps what they log (a refused log call
+    stops every rank alike too).
+    """
     columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
     if hasattr(rollout, "tool_calls"):
         # tools: each completion's calls, its environment's score
@@ -456,10 +516,16 @@ def score(funcs, rows, rollout, conversational, timeout):
     elif conversational:
         texts = [[{"role": "assistant", "content": t}] for t in rollout.texts]
 
+    extras = None  # each function's extra keywords
+    if reward_logs is not None:
+        extras = reward_logs.begin(funcs, len(rows))
+
     error = None
     try:
         rewards = compute_rewards(funcs, [r["prompt"] for r in rows], texts, timeout,
-                                  completion_ids=ids, **columns)
+                                  extras, completion_ids=ids, **columns)
+        if reward_logs is not None:
+            reward_logs.end()  # RuntimeError: a log call it refused
     except BaseException as e:
         # raised, exited or hung (compute_rewards names it)
         rewards = None

@@ -84,7 +84,7 @@ from model import (Forward, load_model, load_reference, load_tokenizer, pad_id, 
                    sequence_logps, truncate_logits, wrap_ddp)
 from reduction import kept_mask, minibatch_tokens
 from reward import (
-    OUR_MODULES,
+    extras_named,
     final_number_reward,
     get_reward_funcs,
     get_soft_overlong_punishment,
@@ -373,7 +373,10 @@ def sample_and_score(consumed):
     """
     rows, rollout, version, seconds = sample(consumed)
     t0 = time.time()
-    rewards = score(reward_funcs, rows, rollout, conversational, args.reward_timeout)  # (N, F)
+    rewards = score(reward_funcs, rows, rollout, conversational, args.reward_timeout,
+                    reward_logs)  # (N, F)
+    if reward_logs:  # log_extra's columns go with their rows (dynamic sampling keeps rows)
+        rows = reward_logs.with_columns(rows)
     times["rollout"] += seconds
     times["reward"] += time.time() - t0
 
@@ -406,7 +409,8 @@ def evaluate():
         rollout = engine.generate(ids, g, args.max_new_tokens, temperature=temperature,
                                   **sampling, **extra)
         rows_g = [r for r in rows for _ in range(g)]
-        rewards = score([eval_func], rows_g, rollout, conversational, args.reward_timeout)
+        rewards = score([eval_func], rows_g, rollout, conversational, args.reward_timeout,
+                        eval_logs)
         truncated = ~rollout.is_finished.view(-1, g)
         return rewards[:, 0].nan_to_num().view(-1, g), truncated
 
@@ -429,6 +433,8 @@ def evaluate():
                   eval_sampled=means[2])
     for k, p in zip(eval_k, means[3:]):
         result[f"pass@{k}"] = p
+    if eval_logs:  # its reward's log_metric values, as eval_NAME (a collective)
+        result.update(eval_logs.step_metrics(result))
     return result
 
 
@@ -677,6 +683,8 @@ sync_weights = engine.sync_weights
 entropy_control = None  # --adaptive-entropy's Controller
 after_optimizer_step = []  # fn(opt_step), after each optimizer step
 step_loggers = []  # fn(step, record, rows, rollout, rewards, advantages), after the evaluation
+reward_logs = None  # TRL's reward extras: what training's reward calls logged
+eval_logs = None  # and the evaluation's
 
 # --dynamic-sampling N: drop the groups of equal rewards and draw more rounds
 # until each rank holds its share of others (variants/dynamic_sampling.py)
@@ -685,7 +693,7 @@ if args.dynamic_sampling:
 
     sample_and_score = with_dynamic_sampling(sample_and_score, args.dynamic_sampling, args.G,
                                              args.reward_weights, pad_id(tokenizer),
-                                             args.reward_aggregation, args.prompts_per_step)
+                                             args.reward_aggregation)
 # --vllm-sleep: the engine's weights and KV cache idle from the rollout to the
 # sync, leaving room for the update (engines/vllm_engine.py, simplification 6)
 if args.vllm_sleep:
@@ -740,15 +748,13 @@ if args.sync_ref_every:
 
     after_optimizer_step.append(trdpo.every(args.sync_ref_every, ref_model, raw_model,
                                             args.ref_mixup_alpha))
-# TRL's reward extras (trl_compat/reward_extras.py): trainer_state, log_metric,
-# log_extra and `async def` rewards, for a user's function that takes them
-reward_logs = None  # what they logged; a completions log reads reward_logs.extra_columns
-if any(getattr(fn, "__module__", None) not in OUR_MODULES
-       for fn in [*reward_funcs, eval_func]):
+# TRL's reward extras (trl_compat/reward_extras.py): trainer_state, log_metric and
+# log_extra, for the reward functions that name them; what training's and
+# evaluation's calls logged
+if any(extras_named(fn) for fn in [*reward_funcs, eval_func]):
     from trl_compat import reward_extras
 
-    reward_logs, score, evaluate, _ = reward_extras.install(
-        reward_funcs, eval_func, score, evaluate, None,
+    reward_logs, eval_logs = reward_extras.open_logs(
         progress=lambda: (opt_step, consumed), train_prompts=len(train_rows),
         batch_prompts=args.prompts_per_step, max_steps=opt_steps_total)
     # the rewards' log_metric values: each the mean over the step's calls and the
@@ -764,9 +770,9 @@ if args.log_completions:
 
     def log_completions(step, record, rows, rollout, rewards, advantages):
         if step % args.log_completions == 0:  # a collective
-            extras = None  # log_extra's columns (trl_compat/reward_extras.py)
+            extras = None  # log_extra's columns, which the rows carry (reward_extras.py)
             if reward_logs is not None:
-                extras = reward_logs.extra_columns
+                extras = reward_logs.columns_of(rows)
             lengths = rollout.completion_mask.sum(1)  # (N,)
             mine = completions.step_rows(step, rows, rollout, rewards, advantages, lengths,
                                          args.reward_weights, reward_names, extras)

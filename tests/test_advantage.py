@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from advantage import compute_advantages, no_signal_groups, normalize_then_sum
+from advantage import compute_advantages, no_signal_groups
+from variants.gdpo import normalize_then_sum
 
 nan = float("nan")
 

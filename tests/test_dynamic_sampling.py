@@ -1,4 +1,4 @@
-"""DAPO dynamic sampling (train.py --dynamic-sampling, advantage.dynamic_sampling).
+"""DAPO dynamic sampling (train.py --dynamic-sampling, variants/dynamic_sampling.py).
 
 In-process: which groups a step keeps from its rounds. End to end on 2 ranks, with
 a reward whose zero-spread groups are known from the prompts: the rounds and kept
@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 
 import data
 import task
-from advantage import dynamic_sampling
 from helpers import run_train, without_timings
 from known_rewards import EVAL_SAMPLES, correct_samples, informative
 from rollout import Rollout
+from variants.dynamic_sampling import dynamic_sampling, with_dynamic_sampling
 
 # one worker builds the 2-rank run once (--dist loadgroup)
 pytestmark = pytest.mark.xdist_group("test_dynamic_sampling")
@@ -116,6 +116,44 @@ def test_at_the_bound_tops_up_with_zero_spread_groups_of_the_last_round():
     assert groups_of(rollout, G) == ["a", "c"]
     assert stats == dict(ds_rounds=2, ds_groups_generated=4, ds_groups_informative=1)
     assert rollout.completion_ids.shape == (4, 3)
+
+
+def test_the_wrapped_round_draws_rounds_along_the_prompt_stream_until_the_quota():
+    """with_dynamic_sampling around a round function: it draws rounds where the last
+    one's prompts end, as many as dynamic_sampling asks for, and returns its batch,
+    the prompts of every round and the last round's stats with the ds_ ones."""
+    G = 2
+    weights = [1.0]
+    # per round, (quota = 2 groups): informative groups a; none; c (then the quota)
+    rounds = [make_round(["a", "b"], [[1], [0], [1], [1]], G, T=2),
+              make_round(["x", "y"], [[0], [0], [1], [1]], G, T=3),
+              make_round(["c", "d"], [[0], [1], [2], [2]], G, T=2)]
+    asked = []
+
+    def sample_and_score(consumed):
+        asked.append(consumed)
+        return rounds[len(asked) - 1], 2, {"round": len(asked)}
+
+    sample = with_dynamic_sampling(sample_and_score, 3, G, weights, PAD,
+                                   "sum_then_normalize")
+    batch, drawn, stats = sample(10)
+
+    assert asked == [10, 12, 14]
+    assert drawn == 6
+    expected = dynamic_sampling(rounds, 3, G, weights, PAD)
+    assert groups_of(batch[1], G) == groups_of(expected[0][1], G) == ["a", "c"]
+    assert batch[0] == expected[0][0] and torch.equal(batch[2], expected[0][2])
+    assert torch.equal(batch[1].completion_ids, expected[0][1].completion_ids)
+    assert stats == dict(round=3, ds_rounds=3, ds_groups_generated=6,
+                         ds_groups_informative=2)
+
+    # at the bound: 2 rounds, a topped up with x from the last
+    asked.clear()
+    batch, drawn, stats = with_dynamic_sampling(sample_and_score, 2, G, weights, PAD,
+                                                "sum_then_normalize")(0)
+    assert asked == [0, 2] and drawn == 4
+    assert groups_of(batch[1], G) == ["a", "x"]
+    assert stats["ds_rounds"] == 2 and stats["ds_groups_informative"] == 1
 
 
 def test_off_returns_the_one_round_untouched():

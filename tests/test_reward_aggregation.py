@@ -3,17 +3,18 @@
 Its rules (in-process, config.py); DAPO's dynamic sampling keeps the groups GDPO
 can rank (in-process); and runs with two rewards whose weighted totals are all
 equal (tests/equal_total_rewards.py): sum_then_normalize learns nothing from
-them, GDPO logs exactly the advantages advantage.normalize_then_sum gives. The
+them, GDPO logs exactly the advantages variants/gdpo.py's normalize_then_sum gives. The
 math against TRL's formula: tests/test_advantage.py.
 """
 import pytest
 import torch
 
-from advantage import dynamic_sampling, normalize_then_sum
 from config import check_flags
 from helpers import parse_flags as parse
 from helpers import refused, run_train
 from test_dynamic_sampling import PAD, groups_of, make_round
+from variants.dynamic_sampling import dynamic_sampling
+from variants.gdpo import normalize_then_sum
 
 G = 8
 PROMPTS = 4

@@ -1,29 +1,34 @@
-"""TRL's reward-function extras (reward_extras.py): trainer_state, log_metric,
-log_extra and `async def` rewards, written as TRL's docs write them.
+"""TRL's reward-function extras (trl_compat/reward_extras.py): trainer_state,
+log_metric, log_extra and `async def` rewards, written as TRL's docs write them.
 
-In-process through reward_extras.install's score, evaluate and dynamic_sampling,
-then end to end through train.py on 2 ranks (imported by dotted path:
-test_reward_extras.NAME; tests/ is on PYTHONPATH). That a default run never
-imports reward_extras is tests/test_fast.py's FEATURE_MODULES test.
+In-process through reward.score with reward_extras' RewardLogs (the one path of
+every reward), then end to end through train.py on 2 ranks (imported by dotted
+path: test_reward_extras.NAME; tests/ is on PYTHONPATH). That a default run never
+imports reward_extras is tests/test_fast.py's FEATURE_MODULES test; that a user's
+**kw reward takes the built-ins' path, test_a_users_reward_takes_the_built_in_path.
 """
 import asyncio
+import json
 import math
 import os
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 import torch
 
-import advantage
 import reward
-from trl_compat import reward_extras
 import task
-from helpers import run_train
+import user_rewards
+from helpers import ROOT, run_train
 from rollout import Rollout
+from trl_compat import reward_extras
+from variants.dynamic_sampling import with_dynamic_sampling
 
-# progress() -> (optimizer steps done, prompts drawn): the batch being scored is
-# the last 4 of the 16 drawn, of 48 training prompts
+# progress() -> (optimizer steps done, prompts drawn before the step): the step's
+# first round is the 4 prompts after the first 12, of 48 training prompts
 PROGRESS = dict(train_prompts=48, batch_prompts=4, max_steps=24)
 
 
@@ -58,10 +63,10 @@ def plain_reward(prompts, completions, completion_ids, ground_truth):
     return [float(c == s) for c, s in zip(completions, ground_truth)]
 
 
-async def judge(prompts, completions, **kwargs):
+async def judge(prompts, completions, log_metric, **kwargs):
     """An LLM judge's shape: slow I/O awaited; 1.0 for every completion."""
     await asyncio.sleep(0.01)
-    kwargs["log_metric"]("judge_calls", 1.0)
+    log_metric("judge_calls", 1.0)
     return [1.0] * len(completions)
 
 
@@ -93,30 +98,67 @@ def rollout_of(texts, G=1):
                    is_finished=torch.ones(N, dtype=torch.bool), texts=list(texts))
 
 
-def installed(funcs, eval_func=None, evaluate=None, progress=(6, 16)):
-    """reward_extras.install over reward.score, evaluate and advantage.dynamic_sampling."""
-    return reward_extras.install(
-        funcs, eval_func or funcs[0], reward.score, evaluate or (lambda: {}),
-        advantage.dynamic_sampling, progress=lambda: progress, **PROGRESS)
+def opened(progress=(6, 12)):
+    """reward_extras.open_logs -> (training's RewardLogs, evaluation's); progress:
+    what progress() gives, a list to change it."""
+    return reward_extras.open_logs(progress=lambda: tuple(progress), **PROGRESS)
 
 
-def test_ours_get_nothing_and_a_users_function_what_it_takes():
-    plans = {fn: reward_extras.plan(fn) for fn in (
-        reward.accuracy_reward, task.position_reward, curriculum_reward, boxed_reward,
-        plain_reward, judge, reward.get_soft_overlong_punishment(8, 2))}
+def test_a_function_gets_the_extras_it_names_and_kw_gets_none():
+    named = {fn: reward.extras_named(fn) for fn in (
+        reward.accuracy_reward, task.position_reward, user_rewards.users_position_reward,
+        curriculum_reward, boxed_reward, plain_reward, judge, progress_reward,
+        reward.get_soft_overlong_punishment(8, 2))}
 
-    # ours take **kw, and still get none
-    assert plans[reward.accuracy_reward] == reward_extras.Plan((), False)
-    assert plans[task.position_reward] == reward_extras.Plan((), False)
-    assert [p for fn, p in plans.items() if fn.__module__ == "reward"] == [
-        reward_extras.Plan((), False)] * 2
-    assert plans[curriculum_reward].extras == reward_extras.EXTRAS  # **kwargs
-    assert plans[plain_reward] == reward_extras.Plan((), False)
-    assert plans[judge] == reward_extras.Plan(reward_extras.EXTRAS, True)
+    # ours and a user's alike: **kw gets none (reward.py, simplification 6)
+    assert named[reward.accuracy_reward] == ()
+    assert named[task.position_reward] == ()
+    assert named[user_rewards.users_position_reward] == ()
+    assert [n for fn, n in named.items() if fn.__module__ == "reward"] == [()] * 2
+    assert named[curriculum_reward] == ("trainer_state",)
+    assert named[boxed_reward] == ("log_metric", "log_extra")
+    assert named[plain_reward] == ()
+    assert named[judge] == ("log_metric",)
+    assert named[progress_reward] == ("trainer_state", "log_metric")
+    assert [reward.is_async(fn) for fn in (judge, plain_reward)] == [True, False]
+    assert reward.extras_named(len) == ()  # a signature inspect cannot read
 
-    # none takes any: the three come back as they went in
-    score = reward.score
-    assert installed([reward.accuracy_reward, plain_reward])[:2] == (None, score)
+
+def test_a_users_reward_takes_the_built_in_path(tmp_path):
+    """A user's **kw reward beside a built-in one: train.py hands reward.score no
+    RewardLogs, compute_rewards gets the functions themselves (no wrapper), and
+    reward_extras is never imported: one scoring code for both."""
+    report = tmp_path / "report.json"
+    code = f"""
+import json, runpy, sys
+import reward
+plain = reward.compute_rewards
+calls = []
+def spy(funcs, prompts, completions, timeout=None, extras=None, /, **columns):
+    calls.append(dict(funcs=[f"{{f.__module__}}.{{f.__name__}}" for f in funcs],
+                      extras=extras))
+    return plain(funcs, prompts, completions, timeout, extras, **columns)
+reward.compute_rewards = spy
+sys.argv = ['train.py', '--steps', '1', '--eval-every', '0', '--eval-size', '8',
+            '--engine', 'hf', '--out-dir', {str(tmp_path / 'out')!r}, '--rewards',
+            'exact_match_reward', 'user_rewards.users_position_reward',
+            '--eval-reward', 'user_rewards.users_position_reward']
+runpy.run_path('train.py', run_name='__main__')
+json.dump(dict(modules=sorted(sys.modules), calls=calls), open({str(report)!r}, 'w'))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1",
+                               "PYTHONPATH": f"{ROOT}:{os.path.join(ROOT, 'tests')}"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    got = json.load(open(report))
+
+    assert "trl_compat.reward_extras" not in got["modules"]
+    user = "user_rewards.users_position_reward"
+    # the first evaluation, the step's round, the last evaluation (greedy, sampled)
+    assert [c["funcs"] for c in got["calls"]] == [[user]] * 2 + [
+        ["reward.exact_match_reward", user]] + [[user]] * 2
+    assert all(c["extras"] is None for c in got["calls"])
 
 
 def test_functions_get_trainer_state_and_their_logs_as_trl_passes_them():
@@ -127,22 +169,27 @@ def test_functions_get_trainer_state_and_their_logs_as_trl_passes_them():
         log_extra("length", [len(c) for c in completions])
         return [0.0] * len(completions)
 
-    funcs = [curriculum_reward, boxed_reward, spy, plain_reward]
-    logs, score, _, dynamic_sampling = installed(funcs)
+    def kw_only(completions, **kwargs):
+        seen.update(kw_only=sorted(kwargs))
+        return [0.0] * len(completions)
+
+    funcs = [curriculum_reward, boxed_reward, spy, plain_reward, kw_only]
+    logs, _ = opened()
     rows = [{"prompt": "q", "ground_truth": "4"}] * 2
     rollout = rollout_of(["\\boxed{4}", "\\boxed{5}"])
-    rewards = score(funcs, rows, rollout, False, 5.0)  # (2, 4)
-    dynamic_sampling([(rows, rollout, rewards)], 0, 2, [1.0] * 4, 0)
+    rewards = reward.score(funcs, rows, rollout, False, 5.0, logs)  # (2, 5)
+    rows = logs.with_columns(rows)
 
     # 6 optimizer steps done; the 4 prompts scored were drawn after the first 12
     assert seen["state"] == reward_extras.TrainerState(global_step=6, epoch=12 / 48, max_steps=24)
-    # the batch's columns and the extra it did not name, each once
-    assert seen["kwargs"] == ["completion_ids", "ground_truth", "log_metric", "prompts"]
-    torch.testing.assert_close(rewards, torch.tensor([[2.25, 1.0, 0.0, 0.0],
-                                                      [2.25, 0.0, 0.0, 0.0]]))
+    # the batch's columns, each once; no extra it did not name
+    assert seen["kwargs"] == ["completion_ids", "ground_truth", "prompts"]
+    assert seen["kw_only"] == ["completion_ids", "ground_truth", "prompts"]
+    torch.testing.assert_close(rewards, torch.tensor([[2.25, 1.0, 0.0, 0.0, 0.0],
+                                                      [2.25, 0.0, 0.0, 0.0, 0.0]]))
     assert logs.step_metrics({"reward_mean": 0.0}) == {"accuracy": 0.5}
-    assert logs.extra_columns == {"golden_answer": ["4", "4"], "extracted_answer": ["4", "5"],
-                                  "length": [9, 9]}
+    assert logs.columns_of(rows) == {"extracted_answer": ["4", "5"],
+                                     "golden_answer": ["4", "4"], "length": [9, 9]}
 
 
 def tagged_reward(completions, tag, informative, log_extra, log_metric, **kwargs):
@@ -156,42 +203,77 @@ def tagged_reward(completions, tag, informative, log_extra, log_metric, **kwargs
 def test_extra_columns_follow_the_rows_dynamic_sampling_keeps():
     """Two rounds of 2 groups of 2: the first keeps its group 0, the second its
     group 1. The step's columns are the kept rows', in the kept order, and the
-    metrics the mean over both calls."""
-    funcs = [tagged_reward]
-    logs, score, _, dynamic_sampling = installed(funcs)
-    rounds = []
-    for name, informative in (("a", [True, False]), ("b", [False, True])):
-        rows = [{"prompt": f"{name}{g}", "tag": f"{name}{g}.{i}", "informative": ok}
-                for g, ok in enumerate(informative) for i in range(2)]
-        rollout = rollout_of([r["tag"] for r in rows], G=2)
-        rounds.append((rows, rollout, score(funcs, rows, rollout, False, 5.0)))
-        sampled = dynamic_sampling(rounds, 2, 2, [1.0], 0)
+    metrics the mean over both calls. Each round's trainer_state counts the
+    rounds before it."""
+    epochs = []
 
-    (rows, rollout, rewards), metrics = sampled
-    assert metrics["ds_rounds"] == 2
+    def epoch_reward(completions, trainer_state, **kwargs):
+        epochs.append(trainer_state.epoch)
+        return [0.0] * len(completions)
+
+    def last_round_only(completions, trainer_state, log_extra, **kwargs):
+        if trainer_state.epoch > 12 / 48:
+            log_extra("late", ["x"] * len(completions))
+        return [0.0] * len(completions)
+
+    funcs = [tagged_reward, epoch_reward, last_round_only]
+    progress = [6, 12]
+    logs, _ = opened(progress)
+    drawn = {}
+    for name, informative in (("a", [True, False]), ("b", [False, True])):
+        drawn[12 + 4 * len(drawn)] = [
+            {"prompt": f"{name}{g}", "tag": f"{name}{g}.{i}", "informative": ok}
+            for g, ok in enumerate(informative) for i in range(2)]
+
+    def sample_and_score(consumed):
+        """train.py's round: the rows drawn after consumed prompts, scored."""
+        rows = drawn[consumed]
+        rollout = rollout_of([r["tag"] for r in rows], G=2)
+        rewards = reward.score(funcs, rows, rollout, False, 5.0, logs)
+        return (logs.with_columns(rows), rollout, rewards), 4, {}
+
+    sample = with_dynamic_sampling(sample_and_score, 2, 2, [1.0, 1.0, 1.0], 0,
+                                   "sum_then_normalize")
+    (rows, rollout, rewards), prompts, metrics = sample(12)
+
+    assert metrics["ds_rounds"] == 2 and prompts == 8
+    assert epochs == [12 / 48, 16 / 48]
     assert [r["tag"] for r in rows] == ["a0.0", "a0.1", "b1.0", "b1.1"]
     assert rollout.texts == [r["tag"] for r in rows]
-    assert logs.extra_columns == {"tag": ["a0.0", "a0.1", "b1.0", "b1.1"]}
+    # a column a round did not log: None for its rows
+    assert logs.columns_of(rows) == {"late": [None, None, "x", "x"],
+                                     "tag": ["a0.0", "a0.1", "b1.0", "b1.1"]}
     assert logs.step_metrics({}) == {"calls": 4.0}
+
     # the next step starts empty
-    assert logs.rounds == [] and logs.step_metrics({}) == {}
+    assert logs.step_metrics({}) == {}
+    progress[1] = 20
+    rows = [{"prompt": "c0", "tag": "c0.0", "informative": True}] * 2
+    reward.score([epoch_reward], rows, rollout_of(["c", "c"]), False, 5.0, logs)
+    assert logs.columns_of(logs.with_columns(rows)) == {}
+    assert epochs[-1] == 20 / 48
 
 
 def test_evaluation_logs_eval_names_and_drops_its_columns():
-    def evaluate():
-        score([boxed_reward], rows, rollout_of(["\\boxed{4}", "no"]), False, 5.0)
-        return {"eval_greedy": 0.5}
+    seen = []
+
+    def eval_reward(completions, ground_truth, trainer_state, log_extra, log_metric, **kw):
+        seen.append(trainer_state)
+        return boxed_reward(completions, ground_truth, log_extra, log_metric)
 
     rows = [{"prompt": "q", "ground_truth": "4"}] * 2
-    logs, score, evaluate, _ = installed([plain_reward], boxed_reward, evaluate)
-    seen = []
-    logs._score = lambda funcs, *a: seen.append(logs.trainer_state()) or reward.score(funcs, *a)
+    logs, eval_logs = opened(progress=(6, 16))
+    reward.score([eval_reward], rows, rollout_of(["\\boxed{4}", "no"]), False, 5.0,
+                 eval_logs)
 
-    assert evaluate() == {"eval_greedy": 0.5, "eval_accuracy": 0.5}
+    result = {"eval_greedy": 0.5}
+    result.update(eval_logs.step_metrics(result))
+    assert result == {"eval_greedy": 0.5, "eval_accuracy": 0.5}
     # after the 16 prompts drawn: none is being scored
     assert seen == [reward_extras.TrainerState(global_step=6, epoch=16 / 48, max_steps=24)]
-    assert logs.mode == "train" and logs.rounds == [] and logs.extra_columns == {}
-    assert logs.step_metrics({}) == {}
+    # its columns dropped; training's logs untouched
+    assert eval_logs.columns == {} and logs.names == set()
+    assert logs.step_metrics({}) == {} and eval_logs.step_metrics({}) == {}
 
 
 def test_a_metric_named_like_a_record_key_stops_the_run(capsys):
@@ -199,8 +281,8 @@ def test_a_metric_named_like_a_record_key_stops_the_run(capsys):
         log_metric("loss", 1.0)
         return [0.0] * len(completions)
 
-    logs, score, _, _ = installed([logs_loss])
-    score([logs_loss], [{"prompt": "q"}], rollout_of(["a"]), False, 5.0)
+    logs, _ = opened()
+    reward.score([logs_loss], [{"prompt": "q"}], rollout_of(["a"]), False, 5.0, logs)
 
     with pytest.raises(SystemExit):
         logs.step_metrics({"step": 1, "loss": 0.5})
@@ -238,9 +320,9 @@ def test_a_bad_log_call_stops_the_run_in_one_line_naming_the_function(call, line
             pass
         return [0.0] * len(completions)
 
-    _, score, _, _ = installed([bad])
+    logs, _ = opened()
     with pytest.raises(SystemExit):
-        score([bad], [{"prompt": "q"}] * 2, rollout_of(["a", "b"]), False, 5.0)
+        reward.score([bad], [{"prompt": "q"}] * 2, rollout_of(["a", "b"]), False, 5.0, logs)
     assert capsys.readouterr().out == f"error (rank 0): {line}\n"
 
 
@@ -257,11 +339,11 @@ def test_async_functions_run_together_and_keep_their_columns():
     """Two that each sleep 0.5 s take about 0.5 s, not 1; the sync one between
     them keeps its column."""
     funcs = [sleeper("judge_a", 0.5, 1.0), plain_reward, sleeper("judge_b", 0.5, 2.0), judge]
-    logs, score, _, _ = installed(funcs)
+    logs, _ = opened()
 
     t0 = time.perf_counter()
-    rewards = score(funcs, [{"prompt": "q", "ground_truth": "1"}], rollout_of(["1"]), False,
-                    10.0)  # (1, 4)
+    rewards = reward.score(funcs, [{"prompt": "q", "ground_truth": "1"}], rollout_of(["1"]),
+                           False, 10.0, logs)  # (1, 4)
     seconds = time.perf_counter() - t0
 
     assert seconds < 0.9, f"{seconds:.2f} s: the async rewards ran one after the other"
@@ -291,15 +373,14 @@ def test_async_time_limit_and_errors_name_the_function(capsys):
         ([wrong_count], "reward function wrong_count must return a list of 1 floats or None "
                         "(one per completion), returned 2 values"),
     ]:
-        _, score, _, _ = installed(funcs)
         with pytest.raises(SystemExit):
-            score(funcs, [{"prompt": "q"}], rollout_of(["a"]), False, 0.3)
+            reward.score(funcs, [{"prompt": "q"}], rollout_of(["a"]), False, 0.3)
         assert capsys.readouterr().out == f"error (rank 0): {line}\n"
     assert time.perf_counter() - t0 < 2.0
 
-    # the event loop survived them
-    _, score, _, _ = installed([quick])
-    assert score([quick], [{"prompt": "q"}], rollout_of(["a"]), False, 5.0).tolist() == [[1.0]]
+    # the event loop survived them; no RewardLogs needed for an async function
+    assert reward.score([quick], [{"prompt": "q"}], rollout_of(["a"]), False,
+                        5.0).tolist() == [[1.0]]
     assert [t.name for t in threading.enumerate()].count("reward event loop") == 1
 
 

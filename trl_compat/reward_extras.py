@@ -1,48 +1,47 @@
 """
-TRL's reward-function extras: trainer_state, log_metric, log_extra, `async def` rewards.
+TRL's reward-function extras: trainer_state, log_metric, log_extra; the event loop
+that awaits `async def` rewards.
 
 TRL 1.16 (GRPOTrainer._calculate_rewards) calls a reward function with three keywords
-beyond the batch's columns:
+beyond the batch's columns (reward.EXTRAS):
 - trainer_state: how far training is, for a curriculum (TrainerState: global_step, epoch,
   max_steps);
 - log_metric(name, value): a number for the step's record in metrics.jsonl, the mean of
   the step's values over its calls and the ranks (TRL's _pending_metrics); eval_NAME while
   evaluating, as TRL's log names them;
 - log_extra(column, values): one value per completion, for the completions log (TRL's
-  _pending_extra_logs). After a step's scoring, reward_logs.extra_columns holds {column:
-  one value per completion of this rank's batch, in the rollout's row order};
+  _pending_extra_logs);
 and it awaits the `async def` ones together on one event loop (asyncio.gather), after the
 sync ones.
 
-A run whose reward functions are all ours (reward.py's, task.py's) never imports this
-file. train.py imports it when one is not, and install decides, once, which functions get
-which extras. Where one does, install hands train.py three replacements, as fast.install
-does: score (reward.score with the extras passed and the async functions awaited),
-evaluate (plus its rewards' metrics, eval_NAME) and dynamic_sampling (the extra columns
-follow the rows it keeps). Otherwise it hands back the three it got.
+Rewards take one path, built-in or not: reward.score. A function gets the extras it
+names (reward.extras_named; reward.py's simplification 6). train.py makes a training
+and an evaluation RewardLogs (open_logs) only when some function names one, and passes
+them to reward.score, which asks begin() for each function's keywords and end() for the
+verdict on its log calls. A run whose functions name none never imports this file;
+reward.compute_rewards imports await_together for an `async def` function.
+
+The extra columns go with the rows they describe (with_columns: each row holds its
+values under COLUMNS), so that the rows dynamic sampling keeps bring theirs; columns_of
+reads them back for the completions log.
 
 Run: python train.py --rewards my_module.my_reward ...   (my_reward takes log_metric, say)
 Tests: python -m pytest -q tests/test_reward_extras.py
 
 Simplifications:
-1. TRL passes all three to every function (its docs ask for **kwargs). Here a function
-   gets those it names, or all three with **kwargs, and ours none: one that names its
-   columns and has no **kwargs keeps working.
-2. trainer_state holds 3 of transformers' TrainerState fields. global_step counts
+1. trainer_state holds 3 of transformers' TrainerState fields. global_step counts
    optimizer steps done, as there (a GRPO step takes --num-iterations x minibatches of
    them), and max_steps the run's; epoch is the training prompts drawn before the batch
    over their number (fractional).
-3. A log call that is refused does not raise in the function: it returns, and the run
+2. A log call that is refused does not raise in the function: it returns, and the run
    stops once the batch is scored, with one line that names the function.
-4. The async functions run after the sync ones, together, all under one --reward-timeout
-   (each sync one has its own, as without extras). The extra columns logged while
-   evaluating are checked, then dropped: the completions log is the training steps'.
+3. The extra columns logged while evaluating are checked, then dropped: the completions
+   log is the training steps'.
 """
 import asyncio
 import concurrent.futures
 import dataclasses
 import functools
-import inspect
 import math
 import numbers
 import threading
@@ -50,11 +49,11 @@ import threading
 import torch
 import torch.distributed as dist
 
-import reward
-from common import all_ranks_ok, collective_device, ddp, fail, world
+from common import collective_device, ddp, fail, world
+from reward import extras_named
 
-# the keywords TRL adds to the batch's columns (GRPOTrainer._calculate_rewards)
-EXTRAS = ("trainer_state", "log_metric", "log_extra")
+# the row key under which a row holds its completion's log_extra values
+COLUMNS = "log_extra"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,62 +66,16 @@ class TrainerState:
     max_steps: int
 
 
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """How a reward function is called: the EXTRAS it gets, and whether it is awaited."""
-    extras: tuple
-    is_async: bool
+def open_logs(*, progress, train_prompts, batch_prompts, max_steps):
+    """Once at set-up -> (training's RewardLogs, evaluation's).
 
-
-def takes(fn, keyword):
-    """Whether fn can be called with keyword=...: a parameter of that name, or
-    **kwargs. A signature inspect cannot read (some builtins) takes none."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return False
-
-    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return any(p.kind == p.VAR_KEYWORD or (p.name == keyword and p.kind in named)
-               for p in params)
-
-
-def is_async(fn):
-    """Whether fn(...) returns a coroutine, as TRL's is_async_callable: an
-    `async def` function, a partial of one, or an object whose __call__ is one."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None))
-
-
-def plan(fn):
-    """fn's Plan: ours get nothing; a user's function the EXTRAS it takes,
-    awaited if async."""
-    if getattr(fn, "__module__", None) in reward.OUR_MODULES:
-        return Plan((), False)
-
-    return Plan(tuple(k for k in EXTRAS if takes(fn, k)), is_async(fn))
-
-
-def install(reward_funcs, eval_func, score, evaluate, dynamic_sampling, *, progress,
-            train_prompts, batch_prompts, max_steps):
-    """Once at load -> (reward_logs, score, evaluate, dynamic_sampling).
-
-    Where no function takes an extra or is async: (None, and the three given,
-    unchanged). Otherwise a RewardLogs and its replacements for the three.
-    progress() -> (optimizer steps done, prompts drawn so far) when called;
-    train_prompts: their number; batch_prompts: a batch's (--prompts-per-step);
-    max_steps: the run's optimizer steps.
+    progress() -> (optimizer steps done, prompts drawn before the step's first round)
+    when called; train_prompts: their number; batch_prompts: a round's
+    (--prompts-per-step); max_steps: the run's optimizer steps.
     """
-    plans = {id(fn): plan(fn) for fn in [*reward_funcs, eval_func]}
-    if not any(p.extras or p.is_async for p in plans.values()):
-        return None, score, evaluate, dynamic_sampling
-
-    logs = RewardLogs(plans, score, evaluate, dynamic_sampling, progress, train_prompts,
-                      batch_prompts, max_steps)
-    return logs, logs.score, logs.evaluate, logs.dynamic_sampling
+    shared = dict(progress=progress, train_prompts=train_prompts,
+                  batch_prompts=batch_prompts, max_steps=max_steps)
+    return RewardLogs(evaluating=False, **shared), RewardLogs(evaluating=True, **shared)
 
 
 def _name(fn):
@@ -193,7 +146,7 @@ class Call:
         self.columns[column] = list(values)
 
     def extras(self, fn_name, state, keywords):
-        """The keywords of EXTRAS a function takes -> their values for this batch."""
+        """The reward.EXTRAS a function names -> their values for this batch."""
         every = dict(trainer_state=state,
                      log_metric=functools.partial(self.log_metric, fn_name),
                      log_extra=functools.partial(self.log_extra, fn_name))
@@ -201,177 +154,87 @@ class Call:
 
 
 class RewardLogs:
-    """What the reward functions logged, and install's replacements for train.py's
-    score, evaluate and dynamic_sampling, which pass the extras and collect the logs.
+    """What the reward functions logged, training's or evaluation's (open_logs).
 
-    extra_columns: the last step's log_extra columns, {column: one value per
-    completion of this rank's batch, in the rollout's row order} (a completions log
-    reads it).
+    reward.score calls begin(funcs, N) for each function's extras, then end() once
+    they returned. step_metrics gives the step's log_metric means; with_columns and
+    columns_of carry training's log_extra columns with their rows.
     """
 
-    def __init__(self, plans, score, evaluate, dynamic_sampling, progress, train_prompts,
-                 batch_prompts, max_steps):
-        self.extra_columns = {}
-        self.plans = plans
-        self._score = score
-        self._evaluate = evaluate
-        self._dynamic_sampling = dynamic_sampling
-
+    def __init__(self, *, evaluating, progress, train_prompts, batch_prompts, max_steps):
+        self.evaluating = evaluating
         self.progress = progress
         self.train_prompts = train_prompts
         self.batch_prompts = batch_prompts
         self.max_steps = max_steps
 
-        self.mode = "train"  # "eval" inside evaluate
-        # per mode, {name: [values]} and {name: function}, until the record takes them
-        self.metrics = dict(train={}, eval={})
-        self.loggers = {}
-        # the step's training calls' columns, one {column: N values} per round
-        self.rounds = []
+        self.call = None  # the batch being scored
+        self.metrics = {}  # {name: [values]}, until the record takes them
+        self.loggers = {}  # {name: the function that logged it first}
+        # training: the step (prompts drawn before its first round), its rounds scored
+        # so far, the columns they logged, and the last round's {column: N values}
+        self.step = None
+        self.rounds = 0
+        self.names = set()
+        self.columns = {}
 
     def trainer_state(self):
-        """TRL's trainer_state now: the loop's batch was drawn before it is scored."""
+        """TRL's trainer_state now. Training: the round being scored was drawn after
+        the step's earlier rounds; evaluating: after the steps before."""
         opt_step, consumed = self.progress()
-        if self.mode == "train":
-            consumed -= self.batch_prompts
+        if not self.evaluating:
+            if consumed != self.step:  # the step's first round
+                self.step, self.rounds, self.names = consumed, 0, set()
+            consumed += self.rounds * self.batch_prompts
 
         return TrainerState(global_step=opt_step, epoch=consumed / self.train_prompts,
                             max_steps=self.max_steps)
 
-    def score(self, funcs, rows, rollout, conversational, timeout):
-        """reward.score's rewards (N, F), with the extras passed to the functions that
-        take them, and the async ones awaited together after the sync ones. A refused
-        log call, or an async function that fails, stops every rank alike."""
-        N = len(rows)
-        call = Call(N)
+    def begin(self, funcs, N):
+        """A batch of N completions is about to be scored -> each function's
+        keywords: {extra: value} of the reward.EXTRAS it names."""
+        self.call = Call(N)
         state = self.trainer_state()
+        return [self.call.extras(_name(fn), state, extras_named(fn)) for fn in funcs]
 
-        # reward.score calls the sync ones (with their extras bound) and, in place of
-        # each async one, a stand-in that keeps the batch's keywords and says None
-        batch = {}
-        as_plain = [self._as_plain(fn, call, state, batch) for fn in funcs]
-        rewards = self._score(as_plain, rows, rollout, conversational, timeout)  # (N, F)
+    def end(self):
+        """The batch is scored: RuntimeError on the first log call refused, else its
+        metrics kept for the record and (training) its columns for with_columns."""
+        call, self.call = self.call, None
+        if call.problem:
+            raise RuntimeError(call.problem)
 
-        error = None
-        waited = [f for f, fn in enumerate(funcs) if self._plan(fn).is_async]
-        if waited:
-            try:
-                self._await_async([funcs[f] for f in waited], waited, batch, call, state,
-                                  timeout, rewards)
-            except BaseException as e:
-                # raised, exited or hung (named)
-                error = e
-
-        problem = str(error) if error else call.problem
-        if not all_ranks_ok(problem is None):
-            fail(problem or "another rank's reward function failed (see its message)",
-                 everywhere=False)
-
-        self._keep(call)
-        return rewards
-
-    def _plan(self, fn):
-        """fn's Plan, as install decided it (or now, for a function it did
-        not see)."""
-        return self.plans.get(id(fn)) or plan(fn)
-
-    def _as_plain(self, fn, call, state, batch):
-        """fn as reward.score calls it: its extras bound in; a stand-in if async."""
-        p = self._plan(fn)
-        name = _name(fn)
-
-        if p.is_async:
-            def stand_in(**keywords):
-                batch.update(keywords)
-                return [None] * call.N
-
-            stand_in.__name__ = name
-            return stand_in
-
-        if not p.extras:
-            return fn
-
-        extras = call.extras(name, state, p.extras)
-
-        def with_extras(**keywords):
-            return fn(**keywords, **extras)
-
-        with_extras.__name__ = name
-        return with_extras
-
-    def _await_async(self, funcs, columns, batch, call, state, timeout, rewards):
-        """Await funcs together on the batch's keywords -> their values in
-        columns of rewards."""
-        calls = []
-        for fn in funcs:
-            name = _name(fn)
-            extras = call.extras(name, state, self._plan(fn).extras)
-            calls.append((fn, name, {**batch, **extras}))
-
-        for f, (_, name, _), values in zip(columns, calls, _gather(calls, timeout)):
-            reward._check_values(values, name, call.N, batch["completions"])
-            rewards[:, f] = torch.tensor([math.nan if v is None else float(v)
-                                          for v in values])
-
-    def _keep(self, call):
-        """A scored batch's logs: its metrics for the record, its columns for
-        the step's."""
         for name, values in call.metrics.items():
-            self.metrics[self.mode].setdefault(name, []).extend(values)
+            self.metrics.setdefault(name, []).extend(values)
         for name, fn_name in call.loggers.items():
             self.loggers.setdefault(name, fn_name)
+        if not self.evaluating:
+            self.rounds += 1
+            self.names.update(call.columns)
+            self.columns = call.columns
 
-        if self.mode == "train":
-            self.rounds.append(call.columns)
+    def with_columns(self, rows):
+        """The rows just scored, each a copy that holds its completion's log_extra
+        values under COLUMNS: they go wherever the row goes (dynamic sampling)."""
+        return [{**row, COLUMNS: {c: values[i] for c, values in self.columns.items()}}
+                for i, row in enumerate(rows)]
 
-    def dynamic_sampling(self, rounds, *args, **kwargs):
-        """advantage.dynamic_sampling, and extra_columns for the rows it keeps, in its
-        order.
-
-        Each round's rows go in as (round, index, row): the kept ones say where they
-        came from.
-        """
-        assert len(rounds) == len(self.rounds), "a training score call per round"
-        tagged = [([(r, i, row) for i, row in enumerate(rows)], *rest)
-                  for r, (rows, *rest) in enumerate(rounds)]
-        sampled = self._dynamic_sampling(tagged, *args, **kwargs)
-        if sampled is None:
-            return None
-
-        (tags, *rest), metrics = sampled
-        names = sorted(set().union(*self.rounds))
-        # a column a round did not log: None for its rows, as TRL's is for a rank
-        # that did not log it
-        self.extra_columns = {c: [self.rounds[r][c][i] if c in self.rounds[r] else None
-                                  for r, i, _ in tags]
-                              for c in names}
-
-        self.rounds = []
-        return ([row for _, _, row in tags], *rest), metrics
-
-    def evaluate(self):
-        """train.py's evaluate, and what its reward logged: eval_NAME, as TRL logs
-        evaluation's metrics."""
-        self.mode = "eval"
-        result = self._evaluate()
-        self.mode = "train"
-
-        result.update(self._means("eval", result, prefix="eval_"))
-        return result
+    def columns_of(self, rows):
+        """The step's extra columns for these rows (with_columns'), in their order:
+        {column: one value per row}. A column their round did not log: None for
+        them, as TRL's is for a rank that did not log it."""
+        return {c: [row[COLUMNS].get(c) for row in rows] for c in sorted(self.names)}
 
     def step_metrics(self, record):
         """The step's log_metric values, each the mean over its calls and the
-        ranks -> {name: mean}, by the names given (as TRL's). A collective: call it
-        on every rank."""
-        return self._means("train", record)
+        ranks -> {name: mean}, by the names given (as TRL's; eval_NAME while
+        evaluating). A name among record's keys (train.py's own) stops the run. A
+        collective: call it on every rank."""
+        metrics = self.metrics
+        self.metrics = {}
+        prefix = "eval_" if self.evaluating else ""
 
-    def _means(self, mode, record, prefix=""):
-        """{prefix + name: mean} of mode's metrics over the ranks, then forgotten.
-        Every rank reduces the names any rank logged, in one (sorted) order; a name
-        among record's keys (train.py's own) stops the run."""
-        metrics = self.metrics[mode]
-        self.metrics[mode] = {}
-
+        # every rank reduces the names any rank logged, in one (sorted) order
         names = sorted(metrics)
         if ddp:
             every = [None] * world
@@ -412,7 +275,7 @@ def _event_loop():
     return loop
 
 
-def _gather(calls, timeout):
+def await_together(calls, timeout):
     """Await every (fn, name, keywords) of calls together on the event loop, for at
     most timeout seconds in all (None: forever) -> their values, in order.
 
