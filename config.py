@@ -30,12 +30,13 @@ from common import fail, world
 SCALE_REWARDS = ("group", "batch", "none")
 # advantage.py: how several rewards become one (GDPO: normalize_then_sum)
 REWARD_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
-# reduction.REDUCTION's keys
+# loss.py's loss types: grpo is the default, the rest variants/ (objectives.py, reductions.py)
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-# the loss types with the clipped surrogate, which --delta caps
+# the loss types with PPO's clipped surrogate (loss.clipped), which --delta caps
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 # loss.py: the ratio per token, or per sequence (GSPO)
 IS_LEVELS = ("token", "sequence")
+# variants/token_weights.py: the sampler-vs-trainer correction
 IS_CORRECTIONS = (
     "off",
     "token_truncate",
@@ -43,6 +44,9 @@ IS_CORRECTIONS = (
     "sequence_truncate",
     "sequence_mask",
 )
+# loss.py's paths: the PyTorch reference, or the fused kernel (kernels/); --loss-impl
+# adds "auto" (loss.choose_impl resolves it)
+LOSS_IMPLS = ("torch", "triton")
 # the default --lora-targets: attention and MLP projections
 LORA_TARGETS = [
     "q_proj", "k_proj", "v_proj", "o_proj",  # attention
@@ -577,19 +581,72 @@ def dependent_flag_errors(args):
     return errors
 
 
-def loss_rule_broken(args):
-    """The line of the first rule between the loss's flags that args break, or None.
+def check_loss_settings(settings, impl=None):
+    """ValueError, one line, at the first rule between the loss's settings that they break.
 
-    The rules live beside the settings they guard (loss.check_settings), which
-    a caller that builds loss.LossSettings itself runs too.
+    The one place these rules live. settings: a loss.LossSettings, or train.py's
+    parsed flags, which name the same attributes (so the words are the flags');
+    impl: the loss's path, settings.impl when None (the flags have --loss-impl
+    instead). check_flags runs it on the flags (loss_rule_broken), and a caller
+    that builds LossSettings itself runs it once, at set-up. The values the
+    flags' parser refuses are refused here too where a wrong one would not fail
+    on its own (an unknown loss_type does: loss.grpo_loss, loss.reduce_loss).
     """
-    from loss import LossSettings, check_settings  # torch: once the flags have parsed
+    s = settings
+    impl = s.impl if impl is None else impl
+    level = s.importance_sampling_level
+    vespo = (*s.vespo_k, *s.vespo_lambda)
 
+    # argparse's choices and ranges, for a caller that builds the settings itself
+    choices = [
+        (level in IS_LEVELS, f"importance_sampling_level={level!r}: choose one of {IS_LEVELS}"),
+        (s.is_correction in IS_CORRECTIONS,
+         f"is_correction={s.is_correction!r}: choose one of {IS_CORRECTIONS}"),
+        (impl in LOSS_IMPLS,
+         f"impl={impl!r}: choose one of {LOSS_IMPLS} (choose_impl resolves 'auto')"),
+        (all(x > 0 for x in vespo), f"vespo's k and lambda must be > 0, got {vespo}"),
+    ]
+
+    # the rules between the settings
+    rules = [
+        (s.loss_type != "luspo" or level == "sequence",
+         "--loss-type luspo is GSPO's sequence ratio, weighed by length: add "
+         "--importance-sampling-level sequence"),
+        (s.loss_type != "vespo" or level == "token",
+         "--loss-type vespo builds its sequence weight from the token ratios: drop "
+         "--importance-sampling-level sequence"),
+        (s.loss_type != "vespo" or not s.is_correction.startswith("sequence"),
+         f"--loss-type vespo adds the token IS ratios to its sequence ratio: use "
+         f"--is-correction {s.is_correction.replace('sequence', 'token')}"),
+        (impl != "triton" or level != "sequence",
+         "--loss-impl triton supports --importance-sampling-level token only; "
+         "use --loss-impl torch"),
+        (impl != "triton" or s.loss_type != "vespo",
+         "--loss-impl triton has no per-sequence weight for --loss-type vespo: "
+         "use --loss-impl torch"),
+        (s.delta is None or s.loss_type not in CLIPPED_LOSS_TYPES
+         or s.delta > 1 + s.epsilon_high,
+         f"--delta {s.delta} caps the ratio where A < 0 above the clip: give "
+         f"--delta > 1 + --epsilon-high = {1 + s.epsilon_high:g} (INTELLECT-2: 4)"),
+        (s.loss_type != "cispo" or s.epsilon_high >= 1,
+         "--loss-type cispo caps the IS weight at --epsilon-high itself: "
+         "give a cap >= 1 (e.g. 5)"),
+        (s.is_min <= s.is_max,
+         f"--is-min {s.is_min} must be <= --is-max {s.is_max}"),
+    ]
+    for ok, msg in choices + rules:
+        if not ok:
+            raise ValueError(msg)
+
+
+def loss_rule_broken(args):
+    """The line of the first rule between the loss's flags that args break
+    (check_loss_settings), or None."""
     # auto picks the kernel only where it runs (loss.choose_impl): the rules
     # that refuse it are for --loss-impl triton
     impl = "triton" if args.loss_impl == "triton" else "torch"
     try:
-        check_settings(LossSettings.from_flags(args, impl=impl))
+        check_loss_settings(args, impl)
     except ValueError as e:
         return str(e)
     return None
@@ -599,7 +656,7 @@ def check_flags(args):
     """The rules between train.py's flags, before any heavy work.
 
     One clear line each, and the same verdict on every rank. The loss's rules:
-    loss.check_settings (loss_rule_broken).
+    check_loss_settings (loss_rule_broken).
     """
     # the batch sizes: completions per rank per step, per optimizer step, per forward
     n_local = args.prompts_per_step // max(1, world) * args.G

@@ -1,120 +1,69 @@
 """
-The GRPO policy loss of a micro-batch, from logits: the PyTorch reference
-(grpo_loss), and the entry point train.py calls whichever path runs
-(policy_loss). How the per-token terms add up: reduction.py.
+The GRPO policy loss of a micro-batch: PPO's clipped surrogate, a k3 KL to the
+reference, each sequence's token mean, and an entropy bonus. policy_loss is the
+one entry point train.py calls; grpo_loss is the PyTorch reference, from
+log-probs.
 
-Per completion token t of sequence i, with advantage A_i (advantage.py):
+Per completion token t of sequence i, with advantage A_i (advantage.py), over
+the micro-batch's B sequences and each one's |o_i| completion tokens:
 
-    ratio_t = exp(logp_t - old_logp_t)     (GSPO, arXiv 2507.18071: one per
-              sequence, exp of the mean of its token log-ratios)
+    ratio_t = exp(logp_t - old_logp_t)
     pg_t    = -min(ratio_t A_i, clip(ratio_t, 1 - eps_low, 1 + eps_high) A_i)
-                                                grpo, bnpo, dr_grpo, dapo, luspo
-              -sg(min(ratio_t, eps_high)) A_i logp_t   cispo
-              -sigmoid(tau_i (ratio_t - 1)) 4 / tau_i A_i   sapo
-              -sg(phi_i) A_i logp_t                    vespo
     kl_t    = exp(ref_t - logp_t) - (ref_t - logp_t) - 1    (k3, always >= 0)
-    loss_t  = pg_t * w_t + beta * kl_t
-    loss    = reduce(loss_t over the kept tokens)
-              - entropy_coef * (the mean entropy of the kept tokens)
+    loss    = 1/B sum_i 1/|o_i| sum_t (pg_t + beta kl_t)     (DeepSeekMath eq. 3)
+              - entropy_coef * (the token mean of the policy's entropy H_t)
 
-The objectives and knobs:
-- cispo (MiniMax-M1, arXiv 2506.13585) clips the IS weight, not the update
-  (sg: a constant), so every token keeps a gradient. eps_high is the cap
-  itself (5 in ScaleRL, arXiv 2510.13786).
-- sapo (arXiv 2511.20347) is a soft gate, not a hard clip. tau_i is
-  sapo_tau's first (1.0) if A_i > 0, else its second (1.05). At ratio 1 its
-  gradient is grpo's.
-- luspo (arXiv 2602.05261) is GSPO with each sequence's loss scaled by its
-  length: reduction.py sums a sequence's tokens where grpo averages them. It
-  needs importance_sampling_level="sequence".
-- vespo (arXiv 2602.10693) reshapes instead of clipping: phi_i, a constant,
-  is a Gamma-shaped function of the sequence's whole ratio W_i (the product
-  of its token ratios, not GSPO's geometric mean). In log space, with TRL's
-  clamps (get_gamma_weights; is_t: the IS weight, below):
-    log W_i = clamp(sum_t clamp(logp_t - old_t, -20, 20)
-                    + sum_t clamp(log is_t, log 1e-8, 20), log 1e-8, 20)
-    phi_i   = exp(lambda + k log W_i - lambda W_i)   (= e^lambda W^k e^-lambda W;
-              NaN and inf -> 0)
-  k, lambda are the first of vespo_k, vespo_lambda (2, 3) if A_i >= 0, else
-  the second (3, 2): phi(1) = 1, and it fades for W far
-  from 1 on either side. is_t enters W_i instead of w_t, so only the token_*
-  modes. Token-level ratio only; it reduces like dapo.
-- delta (INTELLECT-2's two-sided clip, arXiv 2505.07291; not off_policy_mask's
-  delta), for grpo's family and luspo:
-  ratio_t -> min(ratio_t, delta) in the min's first term, after the clip's
-  (TRL). delta must exceed 1 + eps_high, so where A_i >= 0 the clip binds
-  first and nothing changes. Where A_i < 0 the loss stops at -delta A_i: a
-  ratio above delta gets no gradient, where the plain clip lets it grow.
-- kl_bias_correction (DeepSeek-V3.2, arXiv 2512.02556) uses kl_t * ratio_t.
-  Its gradient is the unbiased reverse-KL gradient when the tokens come from
-  the old policy.
-- w_t is a constant on the policy term only: the product of these (each 1
-  when off).
-    is_t  is_correction, the sampler/trainer mismatch (Yao et al. 2025, "Your
-          efficient RL framework secretly brings you off-policy RL training";
-          TRL's vLLM importance sampling). The ratio is
-          r = exp(old_t - sampling_t)           "token_*", or
-          r = exp(sum_t (old_t - sampling_t))   "sequence_*".
-          "*_truncate" uses clip(r, is_min, is_max); "*_mask" uses r inside
-          [is_min, is_max], else 0. vespo takes it into W_i instead.
-    op_i  off_policy_mask delta (DeepSeek-V3.2, eq. 9): 0 for a sequence with
-          A_i < 0 whose sampled KL(sampler || policy), the mean over t of
-          (sampling_t - logp_t), exceeds delta.
-    h_t   high_entropy (arXiv 2506.01939): 1 for the top-rho share of the
-          step's tokens by entropy, over all ranks (batch.py), 0 for the rest.
-- The kept tokens are the completion mask minus the truncated completions
-  (mask_truncated, DAPO, arXiv 2503.14476). Those leave the loss, its KL, the
-  entropy bonus and the normaliser.
-
-The settings: one frozen LossSettings a run, each field the flag of its name
-(LossSettings.from_flags). The rules between them are check_settings's, which
-config.check_flags runs on the flags; the loss itself checks only what a call
-passes it (reduce_loss the normaliser, once a micro-batch).
-
-Which path runs (choose_impl says why):
-- impl="torch": model.selective_log_softmax, then grpo_loss below. The
-  reference.
-- impl="triton": kernels/grpo.py, the same per-token loss fused in one pass
-  over the logits, from the same LossSettings. It has delta, the KL
-  correction and every objective but vespo, and the token-level ratio only
-  (so no luspo). w_t and the kept tokens come from here.
-
-Truncated sampling (--top-k, --top-p, --min-p; TRL issue #6789): the logits
-arrive here already FILTERED outside the sampler's kept set
-(model.truncate_logits, in train.py), as do old_logps and ref_logps. So every
-log-prob, and with them the ratio, the IS weight, the off-policy mask, the
-entropies and the KL, is over the truncated, renormalized distribution the
-sampler drew from: both paths unchanged. The repetition penalty is not
-replayed (model.py).
-
-In the code, grpo_loss reads as the math above: the ratio, pg_t (clipped, the
-default, or the loss type's own: SURROGATES), w_t, kl_t, the reduction.
-policy_weight builds w_t, one function per knob, each skipped when off.
-
-Tests: python -m pytest -q tests/test_loss.py tests/test_loss_rows.py
-tests/test_loss_knobs.py tests/test_kernel.py
+Run it: python train.py (the default run: this loss on the built-in task; the
+recipe's entropy_coef is 0.1, beta 0).
+Tests:  python -m pytest -q tests/test_loss.py tests/test_loss_rows.py
+        tests/test_loss_knobs.py tests/test_kernel.py tests/test_loss_2ranks.py
 
 Simplifications:
 1. old_logps=None means on-policy (one update per generation). The ratio is 1
    in value but keeps its gradient (logp - logp.detach()), so the loss is the
    plain policy gradient.
-2. The KL term needs ref_logps only when beta != 0. w_t never weighs it.
-3. Metrics are masked token means over the completion tokens, truncated ones
-   too, in one sync. frac_* are a mask's shares. On-policy, the IS ratio uses
-   the current log-probs; the off-policy mask always does.
+2. The KL term needs ref_logps only when beta != 0. It is the k3 estimate
+   (Schulman 2020, "Approximating KL divergence") on the sampled tokens.
+3. The entropy bonus is a token mean over the minibatch (num_items: every
+   rank's tokens / W), whatever the loss type's reduction.
+4. A micro-batch's loss is its share of the minibatch's: train.py passes the
+   minibatch's sequence count and tokens (minibatch_tokens), so the shares add
+   up to it at any --micro-batch-size, and DDP's average over W ranks gives the
+   mean over every rank's sequences.
+5. Metrics are masked token means over the completion tokens, in one sync
+   (runlog.metrics.token_stats). clip_* are the shares each clip bound holds.
+
+Everything else is a variant, in its own file behind its setting, imported only
+when that setting is on (the default run imports none of them):
+    variants/objectives.py     the other pg_t: cispo, sapo, vespo; --delta's cap
+                               on the clip (INTELLECT-2); GSPO's sequence ratio
+    variants/reductions.py     the other normalisations: bnpo, dr_grpo, dapo, luspo
+    variants/token_weights.py  w_t, a constant weight on pg_t: the IS correction,
+                               the off-policy mask, the high-entropy mask,
+                               and --mask-truncated's share
+    kernels/fused_loss.py      impl="triton": the same loss fused in one pass over
+                               the logits (kernels/grpo.py), from the same settings
+
+The settings: one frozen LossSettings a run, each field the flag of its name
+(LossSettings.from_flags). The rules between them are config.check_loss_settings,
+which config.check_flags runs on the flags; the loss itself checks only what a
+call passes it.
+
+Truncated sampling (--top-k, --top-p, --min-p; TRL issue #6789): the logits
+arrive here already FILTERED outside the sampler's kept set
+(model.truncate_logits, in train.py), as do old_logps and ref_logps. So every
+log-prob, and with them the ratio, the entropies and the KL, is over the
+truncated, renormalized distribution the sampler drew from: this file is
+unchanged. The repetition penalty is not replayed (model.py).
 """
 import dataclasses
-import math
 
 import torch
+import torch.distributed as dist
 
-from config import CLIPPED_LOSS_TYPES, IS_CORRECTIONS, IS_LEVELS
+from config import CLIPPED_LOSS_TYPES, LOSS_IMPLS, LOSS_TYPES
 from runlog.metrics import token_stats
 from model import entropy_from_logits, selective_log_softmax
-from reduction import entropy_bonus, kept_mask, reduce_loss, row_weights
-
-
-IMPLS = ("torch", "triton")
 
 
 def choose_impl(loss_impl, device, importance_sampling_level="token", loss_type="grpo"):
@@ -123,8 +72,8 @@ def choose_impl(loss_impl, device, importance_sampling_level="token", loss_type=
     auto: the fused kernel on CUDA when the loss is token-level (the kernel has
     no GSPO, luspo or vespo); PyTorch on CPU, where Triton only interprets.
     """
-    if loss_impl not in ("auto",) + IMPLS:
-        raise ValueError(f"loss_impl={loss_impl!r}: choose one of {('auto',) + IMPLS}")
+    if loss_impl not in ("auto",) + LOSS_IMPLS:
+        raise ValueError(f"loss_impl={loss_impl!r}: choose one of {('auto',) + LOSS_IMPLS}")
 
     if loss_impl != "auto":
         return loss_impl, f"--loss-impl {loss_impl}"
@@ -142,8 +91,9 @@ class LossSettings:
     """The loss's hyperparameters, the same for every micro-batch of a run.
 
     Each field but impl is the flag of its name (config.py): train.py builds
-    it with from_flags, which lists no field. The rules between the fields:
-    check_settings.
+    it with from_flags, which lists no field. The variants' settings are here
+    too (each one's file says what it does with them). The rules between the
+    fields: config.check_loss_settings.
     """
 
     loss_type: str = "grpo"
@@ -163,7 +113,7 @@ class LossSettings:
     is_max: float = 3.0
     off_policy_mask: float | None = None  # delta
     max_new_tokens: int | None = None  # dr_grpo's normaliser (TRL's max_completion_length)
-    impl: str = "torch"  # or "triton": kernels/grpo.py (choose_impl, from --loss-impl)
+    impl: str = "torch"  # or "triton": kernels/ (choose_impl, from --loss-impl)
 
     @classmethod
     def from_flags(cls, args, impl):
@@ -179,178 +129,39 @@ class LossSettings:
         return cls(**flags, impl=impl)
 
 
-def check_settings(settings):
-    """ValueError, one line, at the first rule between the settings that they break.
-
-    The one place these rules live: config.check_flags runs them on train.py's
-    flags (so their words are the flags'), and a caller that builds LossSettings
-    itself runs them once, at set-up. The values the flags' parser refuses are
-    refused here too where a wrong one would not fail on its own (an unknown
-    loss_type does: grpo_loss's SURROGATES, reduce_loss's check_reduction).
-    """
-    s = settings
-    level = s.importance_sampling_level
-    vespo = (*s.vespo_k, *s.vespo_lambda)
-
-    # argparse's choices and ranges, for a caller that builds the settings itself
-    choices = [
-        (level in IS_LEVELS, f"importance_sampling_level={level!r}: choose one of {IS_LEVELS}"),
-        (s.is_correction in IS_CORRECTIONS,
-         f"is_correction={s.is_correction!r}: choose one of {IS_CORRECTIONS}"),
-        (s.impl in IMPLS, f"impl={s.impl!r}: choose one of {IMPLS} (choose_impl resolves 'auto')"),
-        (all(x > 0 for x in vespo), f"vespo's k and lambda must be > 0, got {vespo}"),
-    ]
-
-    # the rules between the settings
-    rules = [
-        (s.loss_type != "luspo" or level == "sequence",
-         "--loss-type luspo is GSPO's sequence ratio, weighed by length: add "
-         "--importance-sampling-level sequence"),
-        (s.loss_type != "vespo" or level == "token",
-         "--loss-type vespo builds its sequence weight from the token ratios: drop "
-         "--importance-sampling-level sequence"),
-        (s.loss_type != "vespo" or not s.is_correction.startswith("sequence"),
-         f"--loss-type vespo adds the token IS ratios to its sequence ratio: use "
-         f"--is-correction {s.is_correction.replace('sequence', 'token')}"),
-        (s.impl != "triton" or level != "sequence",
-         "--loss-impl triton supports --importance-sampling-level token only; "
-         "use --loss-impl torch"),
-        (s.impl != "triton" or s.loss_type != "vespo",
-         "--loss-impl triton has no per-sequence weight for --loss-type vespo: "
-         "use --loss-impl torch"),
-        (s.delta is None or s.loss_type not in CLIPPED_LOSS_TYPES
-         or s.delta > 1 + s.epsilon_high,
-         f"--delta {s.delta} caps the ratio where A < 0 above the clip: give "
-         f"--delta > 1 + --epsilon-high = {1 + s.epsilon_high:g} (INTELLECT-2: 4)"),
-        (s.loss_type != "cispo" or s.epsilon_high >= 1,
-         "--loss-type cispo caps the IS weight at --epsilon-high itself: "
-         "give a cap >= 1 (e.g. 5)"),
-        (s.is_min <= s.is_max,
-         f"--is-min {s.is_min} must be <= --is-max {s.is_max}"),
-    ]
-    for ok, msg in choices + rules:
-        if not ok:
-            raise ValueError(msg)
-
-
 # -----------------------------------------------------------------------------
-# pg_t: the policy objective of each loss type (SURROGATES)
+# pg_t: PPO's clipped surrogate
 #
-# Each takes ratio (B, T), logps (B, T), A (B, 1), the settings and phi (B, 1),
-# vespo's weight (None for the others), and returns ((B, T) pg_t, {metric name:
-# (B, T) tensor}): its own metrics, the clip shares where it clips.
+# Every objective (this one, and variants/objectives.py's OBJECTIVES) takes
+# ratio (B, T), logps (B, T), A (B, 1), the settings and phi (B, 1), a constant
+# weight per sequence (vespo's; None for the others), and returns ((B, T) pg_t,
+# {metric name: (B, T) tensor}): its own metrics, the clip shares where it clips.
 
-def clipped(ratio, logps, A, settings, phi):
-    """PPO's clipped surrogate, the default: grpo, bnpo, dr_grpo, dapo, luspo.
+def clipped(ratio, logps, A, settings, phi=None):
+    """PPO's clipped surrogate: grpo, bnpo, dr_grpo, dapo, luspo.
 
-    pg_t = -min(ratio_t A_i, clip(ratio_t, 1 - eps_low, 1 + eps_high) A_i),
-    with ratio_t -> min(ratio_t, delta) in the first term when delta is set.
-    The metrics: the tokens each clip bound holds (of the ratio before delta's
-    cap, which with delta > 1 + eps_high are TRL's). logps, phi: unused.
+    pg_t = -min(ratio_t A_i, clip(ratio_t, 1 - eps_low, 1 + eps_high) A_i).
+    The metrics: the tokens each clip bound holds. logps, phi: unused.
     """
     s = settings
     clipped_ratio = torch.clamp(ratio, 1 - s.epsilon_low, 1 + s.epsilon_high)  # (B, T)
-    capped_ratio = ratio
-    if s.delta is not None:  # INTELLECT-2's two-sided clip: binds where A < 0
-        capped_ratio = torch.clamp(ratio, max=s.delta)  # (B, T)
-    per_token = -torch.min(capped_ratio * A, clipped_ratio * A)  # (B, T)
+    per_token = -torch.min(ratio * A, clipped_ratio * A)  # (B, T)
+    return per_token, clip_stats(ratio, A, s)
 
+
+def clip_stats(ratio, A, settings):
+    """The tokens each clip bound holds: {name: (B, T) bool}."""
+    s = settings
     # clipped from below: the gradient is 0
     clip_low = (ratio < 1 - s.epsilon_low) & (A < 0)  # (B, T)
     # clipped from above
     clip_high = (ratio > 1 + s.epsilon_high) & (A > 0)  # (B, T)
-    stats = {"clip_low": clip_low, "clip_high": clip_high, "clip_region": clip_low | clip_high}
-    return per_token, stats
+    return {"clip_low": clip_low, "clip_high": clip_high, "clip_region": clip_low | clip_high}
 
 
-def cispo(ratio, logps, A, settings, phi):
-    """pg_t = -sg(min(ratio_t, eps_high)) A_i logp_t.
-
-    The weight is capped, the token keeps its gradient. clip_high: the tokens
-    whose weight the cap holds. phi: unused.
-    """
-    s = settings
-    capped = torch.clamp(ratio, max=s.epsilon_high).detach()  # (B, T)
-    per_token = -capped * A * logps  # (B, T)
-    return per_token, {"clip_high": ratio > s.epsilon_high}
-
-
-def sapo(ratio, logps, A, settings, phi):
-    """pg_t = -sigmoid(tau_i (ratio_t - 1)) 4 / tau_i A_i.
-
-    The gradient fades smoothly as the ratio leaves 1: no clip, so no metric.
-    logps, phi: unused.
-    """
-    tau_pos, tau_neg = settings.sapo_tau
-    tau = torch.full_like(A, tau_neg).masked_fill(A > 0, tau_pos)  # (B, 1)
-    per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * A  # (B, T)
-    return per_token, {}
-
-
-def vespo(ratio, logps, A, settings, phi):
-    """pg_t = -sg(phi_i) A_i logp_t.
-
-    phi_i (vespo_weight, grpo_loss builds it) is a constant weight per
-    sequence, as cispo's is per token. vespo_phi_mean: a token mean, as every
-    metric here (TRL's: a sequence mean).
-    """
-    per_token = -phi * A * logps  # (B, T)
-    return per_token, {"vespo_phi_mean": phi.expand_as(ratio)}
-
-
-@torch.no_grad()
-def vespo_weight(log_ratio, mask, A, is_weight, settings):
-    """phi_i, VESPO's Gamma weight of the sequence ratio: TRL's get_gamma_weights.
-
-    log_ratio (B, T): logp - old_logp per token; mask (B, T); A (B, 1);
-    is_weight (B, T): is_t (importance_weight), or None when IS is off.
-    -> (B, 1), a constant (no gradient).
-    """
-    s = settings
-    mask = mask.to(log_ratio.dtype)  # (B, T)
-    # the floor of log W: TRL's, which is the original's W.clamp(min=1e-8)
-    lowest = math.log(1e-8)
-
-    # log W = sum_t log(pi / old) + sum_t log is_t: the sequence's product of ratios
-    token_log_ratio = torch.clamp(log_ratio, -20.0, 20.0)  # (B, T)
-    log_w = (token_log_ratio * mask).sum(-1, keepdim=True)  # (B, 1)
-    if is_weight is not None:
-        # TRL sums over every position; * mask makes padding count for nothing
-        # even when [is_min, is_max] leaves out its is_t = 1
-        log_is = torch.clamp(torch.log(is_weight), lowest, 20.0)  # (B, T)
-        log_w = log_w + (log_is * mask).sum(-1, keepdim=True)
-    log_w = torch.clamp(log_w, lowest, 20.0)  # (B, 1)
-
-    # k and lambda by the advantage's sign, in log_w's dtype
-    positive = A >= 0  # (B, 1)
-    k_pos, k_neg = s.vespo_k
-    lambda_pos, lambda_neg = s.vespo_lambda
-    k = torch.full_like(log_w, k_neg).masked_fill(positive, k_pos)  # (B, 1)
-    lam = torch.full_like(log_w, lambda_neg).masked_fill(positive, lambda_pos)
-    lam = lam.clamp(min=1e-4)  # (B, 1)
-
-    # log phi = lambda + k log W - lambda W
-    log_phi = lam + k * log_w - lam * torch.exp(log_w)  # (B, 1)
-    return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-
-
-# pg_t by loss type: the clipped surrogate for GRPO's family (luspo differs only
-# in its ratio and its reduction), each other objective its own
-SURROGATES = {
-    "grpo": clipped,
-    "bnpo": clipped,
-    "dr_grpo": clipped,
-    "dapo": clipped,
-    "luspo": clipped,
-    "cispo": cispo,
-    "sapo": sapo,
-    "vespo": vespo,
-}
-
-
-def _stats(objective_stats, ratio, kl, entropies):
-    """The metrics both paths log, as (B, T) tensors: the objective's own
-    (SURROGATES), ratio_mean, and kl and entropy when there are any."""
+def loss_metrics(objective_stats, ratio, kl, entropies):
+    """The metrics both paths log, as (B, T) tensors: the objective's own,
+    ratio_mean, and kl and entropy when there are any."""
     stats = dict(objective_stats)
     stats["ratio_mean"] = ratio
     if kl is not None:
@@ -368,16 +179,17 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, settings, *, entrop
               num_items=None, num_sequences=None):
     """The policy objective + k3 KL (- entropy bonus) -> (scalar loss, metrics).
 
-    logps, old_logps, ref_logps, mask, entropies, token_weight and is_weight
-    (vespo's is_t; both from policy_weight): (B, T). advantages, truncated
-    (bool: leave the loss), counts (the rows each one stands for: unique_rows):
-    (B,). num_sequences, num_items: the minibatch's, for one of its
-    micro-batches (reduce_loss, which refuses a loss type's missing normaliser).
-    The metrics are floats (token_stats).
+    logps, old_logps, ref_logps, mask, entropies, token_weight (w_t) and
+    is_weight (vespo's is_t; both from variants/token_weights.py's
+    policy_weight): (B, T). advantages, truncated (bool: leave the loss),
+    counts (the rows each one stands for: batch.unique_rows): (B,).
+    num_sequences, num_items: the minibatch's, for one of its micro-batches
+    (reduce_loss, which refuses a loss type's missing normaliser). The metrics
+    are floats (token_stats).
     """
     s = settings
-    if s.loss_type not in SURROGATES:
-        raise ValueError(f"loss_type={s.loss_type!r}: choose one of {tuple(SURROGATES)}")
+    if s.loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={s.loss_type!r}: choose one of {LOSS_TYPES}")
     if is_weight is not None and s.loss_type != "vespo":
         raise ValueError("is_weight is vespo's: pass the IS weight of other loss types "
                          "in token_weight")
@@ -388,24 +200,26 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, settings, *, entrop
         raise ValueError(f"entropy_coef={s.entropy_coef} needs entropies "
                          f"(see entropy_from_logits)")
 
-    # 1) the ratio: per token, or one per sequence (GSPO, eq. 7)
+    # 1) the ratio, per token
     mask = mask.to(logps.dtype)  # (B, T)
     old = logps.detach() if old_logps is None else old_logps  # (B, T)
     # 0 at masked tokens: there the fused head's log-probs are 0
     # (fast/update.py's completion_logps) and exp(0 - old) could overflow
     log_ratio = (logps - old) * mask  # (B, T)
-    if s.importance_sampling_level == "sequence":
-        seq_log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # (B,)
-        log_ratio = seq_log_ratio.unsqueeze(-1).expand_as(logps)  # (B, T)
+    if s.importance_sampling_level == "sequence":  # GSPO: one a sequence (variants/objectives.py)
+        from variants.objectives import sequence_log_ratio
+        log_ratio = sequence_log_ratio(log_ratio, mask)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
 
-    # 2) pg_t: PPO's clipped surrogate for grpo's family (clipped), else the loss
-    # type's own (SURROGATES); then w_t, a constant (no gradient)
+    # 2) pg_t: PPO's clipped surrogate, or a variant's objective; then w_t, a
+    # constant (no gradient)
     A = advantages.unsqueeze(-1)  # (B, 1)
-    phi = None
-    if s.loss_type == "vespo":  # one weight per sequence, from the token log-ratios
-        phi = vespo_weight(log_ratio, mask, A, is_weight, s)  # (B, 1)
-    per_token, objective_stats = SURROGATES[s.loss_type](ratio, logps, A, s, phi)  # (B, T)
+    if s.loss_type in CLIPPED_LOSS_TYPES and s.delta is None:
+        per_token, objective_stats = clipped(ratio, logps, A, s)  # (B, T)
+    else:  # cispo, sapo, vespo, or --delta's cap on the clip: variants/objectives.py
+        from variants.objectives import variant_objective
+        per_token, objective_stats = variant_objective(ratio, logps, A, s, log_ratio, mask,
+                                                       is_weight)  # (B, T)
     if token_weight is not None:
         per_token = per_token * token_weight
 
@@ -414,7 +228,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, settings, *, entrop
     if ref_logps is not None:
         delta = ref_logps - logps  # (B, T)
         kl = torch.exp(delta) - delta - 1  # (B, T)
-        if s.beta != 0 and s.kl_bias_correction:
+        if s.beta != 0 and s.kl_bias_correction:  # DeepSeek-V3.2 (variants/objectives.py)
             per_token = per_token + s.beta * (kl * ratio)
         elif s.beta != 0:
             per_token = per_token + s.beta * kl
@@ -427,131 +241,113 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, settings, *, entrop
     if entropies is not None and s.entropy_coef != 0:
         loss = loss - entropy_bonus(entropies, kept * w, s.entropy_coef, num_items)
 
-    stats = _stats(objective_stats, ratio, kl, entropies)
+    stats = loss_metrics(objective_stats, ratio, kl, entropies)
     return loss, token_stats(mask * w, stats)
 
 
 # -----------------------------------------------------------------------------
-# w_t: the knobs that reweigh or drop policy-gradient tokens (policy_weight)
-#
-# Each knob's function returns (factor, metrics): its (B, T) factor of w_t, or
-# None where it adds none, and {metric name: (B, T) tensor}, what it removes.
+# How the per-token loss adds up: grpo's normalisation (the others:
+# variants/reductions.py), the kept tokens, a micro-batch's share
 
-def importance_weight(old_logps, sampling_logps, mask, mode, is_min=0.0, is_max=3.0):
-    """is_t, the sampler-vs-trainer correction of mode (IS_CORRECTIONS).
+def reduce_loss(per_token_loss, mask, loss_type="grpo", num_items=None,
+                max_new_tokens=None, num_sequences=None, counts=None):
+    """(B, T) per-token loss and completion mask -> a scalar, as loss_type says.
 
-    -> ((B, T) weight, constant to autograd; (B, T) r before truncating or
-    masking; (B, T) bool of the tokens a "*_mask" mode zeroes, None for
-    "*_truncate"). The one place the weight is built: both paths take it here.
+    For a micro-batch of a minibatch, pass the minibatch's num_sequences (grpo,
+    dr_grpo, luspo) and num_items (bnpo, dapo: its unmasked tokens, all ranks / W, see
+    minibatch_tokens). The micro-batches' results then add up to the minibatch's.
+    Without them the batch is its own minibatch. max_new_tokens: dr_grpo's
+    completion limit. counts (B,): the identical sequences each row stands for
+    (batch.unique_rows).
     """
-    if sampling_logps is None:
-        raise ValueError(f"is_correction={mode!r} needs sampling_logps (the rollout engine's "
-                         f"log-probs of the sampled tokens)")
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r}: choose one of {LOSS_TYPES}")
+    reduction = grpo_reduction
+    if loss_type != "grpo":  # the loss type's own: variants/reductions.py
+        from variants.reductions import reduction_of
+        reduction = reduction_of(loss_type, num_items, max_new_tokens)
 
-    mask = mask.to(old_logps.dtype)  # (B, T)
-    log_ratio = (old_logps - sampling_logps) * mask  # (B, T)
-    if mode.startswith("sequence"):  # one ratio per sequence: the product of its token ratios
-        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(mask)  # (B, T)
-    ratio = torch.exp(log_ratio).detach()  # (B, T)
+    mask = mask.to(per_token_loss.dtype)  # (B, T)
+    w = row_weights(counts)  # (B, 1)
+    masked = per_token_loss * mask * w  # (B, T)
+    if num_sequences:
+        B = num_sequences
+    elif counts is None:
+        B = per_token_loss.size(0)
+    else:
+        B = counts.sum()
+    return reduction(masked, mask, w, B, num_items, max_new_tokens)
 
-    if mode.endswith("truncate"):
-        return torch.clamp(ratio, min=is_min, max=is_max), ratio, None
-    outside = (ratio < is_min) | (ratio > is_max)  # (B, T)
-    return ratio.masked_fill(outside, 0.0), ratio, outside
 
+def grpo_reduction(masked, mask, w, B, num_items=None, max_new_tokens=None):
+    """The mean over sequences of each one's token mean (DeepSeekMath eq. 3):
+    each sequence weighs the same, whatever its length.
 
-def off_policy_keep(advantages, logps, sampling_logps, mask, delta):
-    """DeepSeek-V3.2's off-policy sequence mask (eq. 9).
-
-    (B,) advantages; (B, T) the current log-probs, the sampler's and the mask
-    -> (B,) bool: False where A_i < 0 and the sequence's mean sampled
-    KL(sampler || policy) exceeds delta.
+    masked (B, T): the per-token loss * mask * w; mask (B, T); w (B, 1), the
+    rows' counts (row_weights); B: the minibatch's sequences. Every reduction
+    (variants/reductions.py's REDUCTIONS) takes these; num_items and
+    max_new_tokens are the others' normalisers.
     """
-    if sampling_logps is None:
-        raise ValueError("off_policy_mask needs sampling_logps (the rollout engine's log-probs)")
-
-    mask = mask.to(logps.dtype)  # (B, T)
-    kl = ((sampling_logps - logps.detach()) * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # (B,)
-    return (advantages >= 0) | (kl <= delta)
+    return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / B
 
 
-def _truncation_mask(batch):
-    """mask_truncated: the truncated completions leave the loss by kept_mask,
-    not by w_t, so only their share is logged here."""
-    mask = batch.completion_mask  # (B, T)
-    dropped = batch.truncated.unsqueeze(-1).expand_as(mask)  # (B, T)
-    return None, {"frac_masked_truncated": dropped}
+def kept_mask(mask, truncated=None):
+    """(B, T) completion mask minus the sequences that leave the loss.
 
-
-def _importance_correction(batch, ratio_old_logps, settings):
-    """is_t (importance_weight), and its ratio's mean and max before truncating
-    or masking, and the share a "*_mask" mode zeroes."""
-    s = settings
-    weight, ratio, outside = importance_weight(ratio_old_logps, batch.sampling_logps,
-                                               batch.completion_mask, s.is_correction,
-                                               s.is_min, s.is_max)  # (B, T) each
-
-    stats = {}
-    if outside is not None:
-        stats["frac_is_masked"] = outside
-    stats["is_ratio_mean"] = ratio
-    stats["is_ratio_max"] = ratio
-    return weight, stats
-
-
-def _off_policy_mask(batch, logps, delta):
-    """op_i (off_policy_keep) on every token of its sequence, and the share it drops."""
-    mask = batch.completion_mask  # (B, T)
-    keep = off_policy_keep(batch.advantages, logps, batch.sampling_logps, mask, delta)  # (B,)
-
-    factor = keep.to(mask.dtype).unsqueeze(-1).expand_as(mask)  # (B, T)
-    dropped = ~keep.unsqueeze(-1).expand_as(mask)  # (B, T)
-    return factor, {"frac_off_policy_masked": dropped}
-
-
-def _high_entropy_mask(batch):
-    """h_t (batch.py chose the tokens), and the share of kept tokens it drops."""
-    mask = batch.completion_mask  # (B, T)
-    factor = batch.high_entropy.to(mask.dtype)  # (B, T)
-    low_entropy = kept_mask(mask, batch.truncated) * ~batch.high_entropy  # (B, T)
-    return factor, {"frac_low_entropy": low_entropy}
-
-
-def policy_weight(batch, ratio_old_logps, logps, settings):
-    """w_t: the product of the knobs that reweigh or drop policy-gradient tokens.
-
-    batch: a micro-batch (batch.UpdateBatch). ratio_old_logps: the IS ratio's
-    old log-probs (the current ones on-policy); logps: the current ones,
-    detached. -> ((B, T) constant weight, None with every knob off; (B, T) is_t
-    for vespo, which takes it into phi_i instead of w_t, else None;
-    {metric name: (B, T) tensor}, what each knob removes).
+    truncated: (B,) bool (--mask-truncated, DAPO, arXiv 2503.14476), or None
+    when none leave. -> (B, T) in mask's dtype.
     """
-    s = settings
-    is_weight = None
-    knobs = []  # (factor, metrics) of each knob that is on
+    if truncated is None:
+        return mask
+    return mask * (~truncated).to(mask.dtype).unsqueeze(-1)  # (B, T)
 
-    if batch.truncated is not None:
-        knobs.append(_truncation_mask(batch))
-    if s.is_correction != "off":
-        is_t, is_stats = _importance_correction(batch, ratio_old_logps, s)
-        if s.loss_type == "vespo":  # into the sequence ratio W_i, not onto the loss (TRL)
-            is_weight = is_t
-            is_t = None
-        knobs.append((is_t, is_stats))
-    if s.off_policy_mask is not None:
-        knobs.append(_off_policy_mask(batch, logps, s.off_policy_mask))
-    if batch.high_entropy is not None:
-        knobs.append(_high_entropy_mask(batch))
 
-    if not knobs:  # every knob off: w_t = 1
-        return None, None, {}
+def row_weights(counts):
+    """batch.unique_rows' counts (B,) -> (B, 1), what each row's terms are multiplied by.
 
-    factors = [factor for factor, _ in knobs if factor is not None]
-    weight = math.prod(factors) if factors else None
-    stats = {}
-    for _, knob_stats in knobs:
-        stats.update(knob_stats)
-    return weight, is_weight, stats
+    1.0 for None: every row stands for itself.
+    """
+    if counts is None:
+        return 1.0
+    return counts.unsqueeze(-1)
+
+
+def token_count(mask, num_items):
+    """num_items when given, else the mask's tokens (at least 1)."""
+    if num_items is not None:
+        return num_items
+    return mask.sum().clamp(min=1.0)
+
+
+def minibatch_tokens(mask, truncated=None):
+    """The minibatch's unmasked completion tokens on all ranks / W.
+
+    (N, T) this rank's mask, and its (N,) truncated sequences, which leave the
+    loss -> a scalar tensor, the same on every rank (a collective). DDP averages
+    gradients over the W ranks, so a rank's token sum divided by this comes out,
+    after the average, as the token mean over every rank's tokens (TRL's
+    num_items_in_batch).
+    """
+    tokens = kept_mask(mask, truncated).sum().float()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tokens)
+
+    # --mask-truncated can leave a minibatch with no kept token. Its loss is
+    # then 0, not 0 / 0 = NaN.
+    tokens = tokens.clamp(min=1.0)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        tokens = tokens / dist.get_world_size()
+    return tokens
+
+
+def entropy_bonus(entropies, mask, entropy_coef, num_items=None):
+    """entropy_coef * the mean per-token entropy, subtracted from the loss.
+
+    The mean is over num_items tokens when given, else this batch's; the same
+    for every loss type.
+    """
+    mask = mask.to(entropies.dtype)  # (B, T)
+    return entropy_coef * (entropies * mask).sum() / token_count(mask, num_items)
 
 
 # -----------------------------------------------------------------------------
@@ -572,8 +368,8 @@ def policy_loss(logits, batch, settings, *, minibatch_size, minibatch_tokens, lo
     fast/update.py's completion_logps). minibatch_size: the minibatch's
     sequences on this rank; minibatch_tokens: minibatch_tokens(its mask,
     truncated). The loss is for .backward(); the metrics are floats named the
-    same whichever path ran: _stats's, each knob's (policy_weight), "loss" (this
-    share) and "tokens".
+    same whichever path ran: loss_metrics's, each knob's (policy_weight),
+    "loss" (this share) and "tokens".
     """
     s = settings
     ids = batch.completion_ids  # (n, T)
@@ -597,9 +393,14 @@ def policy_loss(logits, batch, settings, *, minibatch_size, minibatch_tokens, lo
     if current is None and needs_current:  # the kernel path has none: one more pass
         current = selective_log_softmax(logits.detach(), ids, s.temperature)  # (n, T)
 
-    # 2) w_t, the knobs' weight
-    ratio_old_logps = current if on_policy else batch.old_logps
-    weight, is_weight, knob_stats = policy_weight(batch, ratio_old_logps, current, s)
+    # 2) w_t, the knobs' constant weight on pg_t (variants/token_weights.py): 1,
+    # and no metrics, with every knob off
+    weight, is_weight, knob_stats = None, None, {}
+    if (s.is_correction != "off" or s.off_policy_mask is not None
+            or batch.truncated is not None or batch.high_entropy is not None):
+        from variants.token_weights import policy_weight
+        ratio_old_logps = current if on_policy else batch.old_logps
+        weight, is_weight, knob_stats = policy_weight(batch, ratio_old_logps, current, s)
 
     # 3) the loss of this micro-batch's rows, as a share of the minibatch's
     if s.impl == "torch":
@@ -608,9 +409,10 @@ def policy_loss(logits, batch, settings, *, minibatch_size, minibatch_tokens, lo
             entropies=entropies, token_weight=weight, is_weight=is_weight,
             truncated=batch.truncated, counts=batch.counts, num_items=minibatch_tokens,
             num_sequences=minibatch_size)
-    else:
-        loss, metrics = _fused_loss(logits, batch, s, weight, entropies,
-                                    minibatch_size, minibatch_tokens)
+    else:  # the fused kernel: Triton, imported only on this path
+        from kernels.fused_loss import fused_loss
+        loss, metrics = fused_loss(logits, batch, s, weight, entropies, minibatch_size,
+                                   minibatch_tokens)
 
     # 4) the metrics
     if knob_stats:
@@ -618,57 +420,3 @@ def policy_loss(logits, batch, settings, *, minibatch_size, minibatch_tokens, lo
     metrics["loss"] = loss.item()
     metrics["tokens"] = counted.sum().item()
     return loss, metrics
-
-
-def _fused_loss(logits, batch, settings, weight, entropies, minibatch_size, minibatch_tokens):
-    """policy_loss's impl="triton" path: the kernel's per-token loss, reduced here.
-
-    The entropy bonus is added here as a token mean, whatever the loss type
-    (the kernel's own per-token entropy term stays off). -> (loss, metrics).
-    """
-    from kernels import fused_grpo_token_loss  # Triton: only on this path
-
-    s = settings
-    # (n, T) each, detached, 0 at masked tokens
-    per_token, logps, stats = fused_grpo_token_loss(
-        logits, batch.completion_ids, batch.advantages, batch.completion_mask, batch.old_logps,
-        batch.ref_logps, token_weight=weight, settings=s)
-
-    kept = kept_mask(batch.completion_mask, batch.truncated)  # (n, T)
-    loss = reduce_loss(per_token, kept, s.loss_type, minibatch_tokens, s.max_new_tokens,
-                       minibatch_size, batch.counts)
-    counted = batch.completion_mask * row_weights(batch.counts)  # (n, T)
-    if entropies is not None and s.entropy_coef != 0:
-        bonus_mask = kept_mask(counted, batch.truncated)  # (n, T)
-        loss = loss - entropy_bonus(entropies, bonus_mask, s.entropy_coef, minibatch_tokens)
-
-    fused = _fused_stats(s.loss_type, logps, batch.old_logps, batch.ref_logps,
-                         batch.completion_mask, stats, entropies)
-    return loss, token_stats(counted, fused)
-
-
-@torch.no_grad()
-def _fused_stats(loss_type, logps, old_logps, ref_logps, mask, stats, entropies):
-    """The kernel path's _stats, from its detached logps (0 at masked tokens)."""
-    ratio = torch.ones_like(logps)  # (n, T)
-    if old_logps is not None:
-        # * mask: masked tokens have logps 0, and exp(0 - old) could overflow there
-        ratio = torch.exp((logps - old_logps) * mask)  # (n, T)
-
-    # the kernel computes the KL only when beta != 0; grpo_loss logs it at beta = 0 too
-    kl = stats.get("kl")  # (n, T)
-    if kl is None and ref_logps is not None:
-        delta = ref_logps - logps  # (n, T)
-        kl = torch.exp(delta) - delta - 1  # (n, T)
-
-    # the kernel's clip masks, named as the loss type's function in SURROGATES names them
-    clip_low = stats["is_clipped_low"]  # (n, T)
-    clip_high = stats["is_clipped_high"]  # (n, T): cispo's capped weights
-    if loss_type == "cispo":
-        objective_stats = {"clip_high": clip_high}
-    elif loss_type == "sapo":
-        objective_stats = {}
-    else:  # clipped
-        objective_stats = {"clip_low": clip_low, "clip_high": clip_high,
-                           "clip_region": clip_low | clip_high}
-    return _stats(objective_stats, ratio, kl, entropies)

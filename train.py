@@ -78,11 +78,10 @@ from batch import UpdateBatch
 from common import (barrier, ddp, fail, mark, master,
                     print0, rank, seed_all, setup, startup_line,
                     step_line, world)
-from loss import LossSettings, choose_impl, policy_loss
+from loss import LossSettings, choose_impl, kept_mask, minibatch_tokens, policy_loss
 from runlog.metrics import step_metrics
 from model import (Forward, load_model, load_reference, load_tokenizer, pad_id, prompt_batch,
                    sequence_logps, truncate_logits, wrap_ddp)
-from reduction import kept_mask, minibatch_tokens
 from reward import (
     extras_named,
     final_number_reward,

@@ -62,9 +62,8 @@ def loss_methods(cuda):
     Every loss is "bnpo".
     """
     from kernels import fused_grpo_token_loss
-    from loss import LossSettings, grpo_loss
+    from loss import LossSettings, grpo_loss, reduce_loss
     from model import selective_log_softmax
-    from reduction import reduce_loss
 
     try:
         from liger_kernel.transformers.grpo_loss import triton_grpo_loss

@@ -67,10 +67,9 @@ def memory_step(args):
 
     from batch import UpdateBatch
     from fast import update
-    from loss import LossSettings, policy_loss
+    from loss import LossSettings, minibatch_tokens, policy_loss
     from model import Forward, prompt_batch, sequence_logps
     from real_shapes import qwen_like
-    from reduction import minibatch_tokens
 
     bf16 = torch.bfloat16
     T = args.new_tokens

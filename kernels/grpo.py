@@ -61,10 +61,11 @@ Tests: python -m pytest -q tests/test_kernel.py (CPU: TRITON_INTERPRET=1);
 python -m bench kernel
 
 Simplifications:
-1. Only the token-level ratio: GSPO, luspo and vespo stay in loss.py. Reductions, weights,
-   masks and metrics stay in PyTorch. loss.policy_loss (impl="triton"), the
-   one caller in training, builds token_weight, reduces the per-token loss and
-   reports the stats under grpo_loss's names. It leaves the kernel's
+1. Only the token-level ratio: GSPO, luspo and vespo stay in loss.py and
+   variants/objectives.py. Reductions, weights, masks and metrics stay in
+   PyTorch. kernels/fused_loss.py (loss.policy_loss's impl="triton"), the one
+   caller in training, takes token_weight from variants/token_weights.py,
+   reduces the per-token loss and reports the stats under grpo_loss's names. It leaves the kernel's
    entropy_coef at 0: its bonus is the mean token entropy instead.
 2. BLOCK_V and num_warps are fixed, not autotuned: autotuning would rerun the
    in-place backward.
@@ -79,7 +80,7 @@ BLOCK_V = 4096  # logits per loop step: 8 KB of bf16 per program in flight
 NUM_WARPS = 8
 # the kernel's OBJECTIVE by loss_type: cispo's and sapo's own, and 0, the
 # clipped surrogate, for every other one (grpo, bnpo, dr_grpo, dapo; luspo and
-# vespo never come here: loss.check_settings)
+# vespo never come here: config.check_loss_settings)
 OBJECTIVES = {"cispo": 1, "sapo": 2}
 
 
@@ -126,7 +127,8 @@ def _grpo_forward_kernel(
     x_id = tl.load(x_ptr + tl.load(ids_ptr + row)).to(tl.float32)
     logp = (x_id - m) * inv_temperature - log_s  # log_softmax(x / T)[id]
 
-    # the policy objective, in the order of loss.SURROGATES
+    # the policy objective: loss.clipped (with --delta: variants/objectives.py's
+    # clipped_delta), or variants/objectives.py's cispo or sapo
     advantage = tl.load(advantages_ptr + b)
     if HAS_OLD:
         ratio = tl.exp(logp - tl.load(old_logps_ptr + row))
@@ -167,7 +169,7 @@ def _grpo_forward_kernel(
         loss = -gate * 4.0 / tau * advantage
         dloss_dlogp = -4.0 * advantage * gate * (1.0 - gate) * ratio
 
-    if HAS_WEIGHT:  # a constant per-token weight (loss.policy_weight)
+    if HAS_WEIGHT:  # a constant per-token weight (variants/token_weights.py's policy_weight)
         weight = tl.load(weight_ptr + row)
         loss = loss * weight
         dloss_dlogp = dloss_dlogp * weight
@@ -343,10 +345,11 @@ def fused_grpo_token_loss(logits, ids, advantages, mask, old_logps=None, ref_log
     logits[:, :-1] need no copy); ids, mask, old_logps, ref_logps,
     token_weight (B, T); advantages (B,). settings: a loss.LossSettings, of
     which the kernel reads loss_type, temperature, epsilon_low, epsilon_high,
-    beta, kl_bias_correction, sapo_tau and delta (check_settings has refused
-    what it cannot compute). entropy_coef: the kernel's own per-token term,
-    - entropy_coef * H_t, reduced as the loss type says; not settings'
-    entropy_coef, whose bonus loss.policy_loss adds as a token mean.
+    beta, kl_bias_correction, sapo_tau and delta (config.check_loss_settings
+    has refused what it cannot compute). entropy_coef: the kernel's own
+    per-token term, - entropy_coef * H_t, reduced as the loss type says; not
+    settings' entropy_coef, whose bonus kernels/fused_loss.py adds as a token
+    mean.
 
     Returns
       per_token_loss  (B, T) fp32, differentiable w.r.t. logits, 0 at masked
@@ -356,7 +359,7 @@ def fused_grpo_token_loss(logits, ids, advantages, mask, old_logps=None, ref_log
                       cispo: its capped weights), kl (when beta != 0, not
                       * ratio), entropy (when entropy_coef != 0).
     Reduce with loss.reduce_loss(per_token_loss, mask, loss_type, ...), as
-    loss.policy_loss does.
+    kernels/fused_loss.py does.
 
     inplace_backward=True writes dlogits into the logits' storage, destroying
     them (as Liger's inplace=True): only when nothing reads them after this

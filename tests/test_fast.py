@@ -19,9 +19,8 @@ import config
 import fast
 from batch import UpdateBatch
 from helpers import ENV, ROOT, run_train
-from loss import LossSettings, policy_loss
+from loss import LossSettings, minibatch_tokens, policy_loss
 from model import Forward, load_model, pad_id, prompt_batch, sequence_logps
-from reduction import minibatch_tokens
 from rollout import HFEngine
 
 # the engines' seed: both loops draw the same uniforms from it

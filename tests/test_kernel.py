@@ -17,9 +17,9 @@ import torch
 
 import kernels.grpo as grpo
 from kernels import fused_grpo_token_loss
-from loss import LossSettings, grpo_loss, importance_weight
+from loss import LossSettings, grpo_loss, reduce_loss
 from model import entropy_from_logits, selective_log_softmax
-from reduction import reduce_loss
+from variants.token_weights import importance_weight
 
 # numpy (the interpreter) warns on inf/NaN in the branch tl.where discards, and
 # on the running max's lowest-fp32 start overflowing to -inf when scaled by
@@ -323,7 +323,7 @@ def test_delta_at_a_tie_and_below_one(delta):
     delta = 1 ties the two sides of the min (torch splits the gradient, and
     both clamps pass it); delta = 0.9 makes the min pick the capped side where
     A > 0 (no gradient) and the clipped one, inside its bounds, where A < 0.
-    The judge is TRL's formula in torch; loss.check_settings refuses
+    The judge is TRL's formula in torch; config.check_loss_settings refuses
     delta <= 1 + eps_high.
     """
     base, ids, advantages, mask, *_ = make_batch()

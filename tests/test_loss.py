@@ -15,12 +15,13 @@ from batch import UpdateBatch
 from fast.dedup import unique_rows
 from variants.high_entropy import high_entropy_mask, quantile_over_ranks
 from config import CLIPPED_LOSS_TYPES, LOSS_TYPES
-from loss import (LossSettings, check_settings, choose_impl, grpo_loss, importance_weight,
-                  off_policy_keep, policy_loss, policy_weight)
+from config import check_loss_settings as check_settings
+from loss import LossSettings, choose_impl, grpo_loss, minibatch_tokens, policy_loss, reduce_loss
 from runlog.metrics import step_metrics, token_stats
 import fast.update
 from model import entropy_from_logits, selective_log_softmax
-from reduction import REDUCTION, minibatch_tokens, reduce_loss
+from variants.reductions import REDUCTIONS, dapo
+from variants.token_weights import importance_weight, off_policy_keep, policy_weight
 
 f64 = dict(dtype=torch.float64)
 
@@ -309,7 +310,7 @@ def test_entropy_bonus_is_the_mean_token_entropy_whatever_the_loss_type(loss_typ
     ent = torch.tensor([[1.0, 0.0, 0.0], [2.0, 3.0, 4.0]], requires_grad=True)
     mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
     num_items = None
-    if REDUCTION[loss_type] == "dapo":
+    if REDUCTIONS.get(loss_type) is dapo:
         num_items = 4
 
     level = "sequence" if loss_type == "luspo" else "token"

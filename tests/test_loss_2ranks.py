@@ -96,9 +96,8 @@ def check_loss_type(loss_type, x):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from batch import UpdateBatch
-    from loss import LossSettings, policy_loss
+    from loss import LossSettings, minibatch_tokens, policy_loss
     from runlog.metrics import step_metrics
-    from reduction import minibatch_tokens
 
     rank = torch.distributed.get_rank()
     world = torch.distributed.get_world_size()
@@ -142,10 +141,9 @@ def check_batch_masks(x):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from batch import UpdateBatch
+    from loss import LossSettings, minibatch_tokens, policy_loss
     from variants.high_entropy import high_entropy_mask
-    from loss import LossSettings, policy_loss
     from runlog.metrics import step_metrics
-    from reduction import minibatch_tokens
 
     rank = torch.distributed.get_rank()
     world = torch.distributed.get_world_size()

@@ -15,8 +15,9 @@ from batch import UpdateBatch
 from config import check_flags
 from helpers import parse_flags as parse
 from helpers import refused, run_train
-from loss import LossSettings, check_settings, grpo_loss, importance_weight, policy_loss
-from reduction import reduce_loss
+from config import check_loss_settings as check_settings
+from loss import LossSettings, grpo_loss, policy_loss, reduce_loss
+from variants.token_weights import importance_weight
 
 f64 = dict(dtype=torch.float64)
 SEEDS = range(4)
@@ -374,7 +375,7 @@ def test_each_row_is_accepted_with_what_it_needs():
 ])
 def test_loss_settings_of_a_caller_are_refused_in_the_same_line(fields, name):
     """A caller that builds LossSettings itself runs the same rules
-    (loss.check_settings): the line check_flags prints."""
+    (config.check_loss_settings): the line check_flags prints."""
     _, expected = RULE_CASES[name]
     with pytest.raises(ValueError) as e:
         check_settings(LossSettings(**fields))

@@ -24,9 +24,9 @@ from safetensors.torch import load_file
 import config
 from config import TOOLS_SYSTEM_PROMPT
 from helpers import fine_tune, read_metrics, run_train, train_parser, without_timings
+from loss import minibatch_tokens
 from loss_calls import call_policy_loss
 from model import completion_logits, pad_id, prompt_batch
-from reduction import minibatch_tokens
 from reward import score
 from engines.vllm_engine import VLLMEngine
 from rollout import Engine, HFEngine

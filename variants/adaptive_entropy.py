@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from common import collective_device, ddp
 from runlog.metrics import token_stats
-from reduction import kept_mask, row_weights
+from loss import kept_mask, row_weights
 
 
 def applied_coef(coef, last_entropy, target):
