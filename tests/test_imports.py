@@ -262,23 +262,3 @@ def test_the_stages_never_import_fast():
         if any(n == "fast" or n.startswith("fast.") for n in imports_anywhere(path)):
             importers.add(name)
     assert not importers, sorted(importers)
-
-
-
-
-def test_config_imports_no_stage():
-    """config.py holds every flag and the rules between them, the loss's too
-    (check_loss_settings), and the stages import its choice tuples: so of the
-    project's modules at the root, in kernels/, fast/ and variants/ it imports
-    common only, at any level (a function's import included), and no stage's
-    import of it closes a circle. (trl_compat/, which reads TRL's names for
-    --config, is config's own helper.)"""
-    tree = ast.parse(open(os.path.join(ROOT, "config.py"), encoding="utf-8").read())
-    project = {name.split(".")[0] for name in project_modules()} | {"variants"}
-    imported = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            imported.update(a.name.split(".")[0] for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and not node.level:
-            imported.add((node.module or "").split(".")[0])
-    assert imported & project == {"common"}, sorted(imported & project)
