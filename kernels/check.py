@@ -42,9 +42,8 @@ import torch
 
 from batch import UpdateBatch
 from common import fail, print0
-from loss import policy_loss
+from loss import kept_mask, policy_loss
 from model import selective_log_softmax
-from loss import kept_mask
 
 ROWS, TOKENS, VOCAB = 4, 12, 256  # the micro-batch: a second or two under TRITON_INTERPRET=1
 # fp32's unit roundoff. A sum of n fp32 terms is off by at most about n * EPS
