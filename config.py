@@ -354,10 +354,9 @@ def parse_args(argv=None):
     # the command line's, and a later flag wins
     path = config_file(argv)
     if path:
-        words = recipe_words(path)
-        if words is None:
-            fail(f"--config {path}: a key is none of train.py's flags (TRL's names: "
-                 f"trl_compat/trl_names.py reads them, through train.py)")
+        # a key that is no flag stops the run here, in one line (TRL's names:
+        # train.py hands a file of them to trl_compat/trl_names.py)
+        words = recipe_words(path, skip=lambda key: False)
         # its values checked alone first, so that an error names the file
         parser.error = lambda message: fail(f"--config {path}: {message}")
         try:

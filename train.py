@@ -48,6 +48,7 @@ Simplifications (each is a choice, not an accident):
    AdamW stay fp32; the reference and the rollout engine hold --dtype weights
    (model.py).
 """
+import dataclasses
 import json
 import math
 import os
@@ -145,17 +146,18 @@ if args.report_to or args.wandb:
 # Setup: data, model, reference, optimizer, rollout engine, the resumed state
 loss_impl, loss_why = choose_impl(args.loss_impl, device, args.importance_sampling_level,
                                   args.loss_type)
+# the loss's hyperparameters, the same for every micro-batch: each field is the
+# flag of its name
+loss_settings = LossSettings.from_flags(args, loss_impl)
 if loss_impl == "triton":  # held to loss.py on this run's settings first (kernels/check.py)
     from kernels.check import checked_impl
-    loss_impl, loss_why = checked_impl(args.loss_impl, loss_why,
-                                       LossSettings.from_flags(args, loss_impl), device)
+
+    loss_impl, loss_why = checked_impl(args.loss_impl, loss_why, loss_settings, device)
+    loss_settings = dataclasses.replace(loss_settings, impl=loss_impl)
 # the sampler's filters; the trainer replays top-k, top-p and min-p on its own
 # logits, so that its log-probs are over the same truncated support (model.py)
 truncation = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
 sampling = dict(**truncation, repetition_penalty=args.repetition_penalty)
-# the loss's hyperparameters, the same for every micro-batch: each field is the
-# flag of its name
-loss_settings = LossSettings.from_flags(args, loss_impl)
 
 # the initial model, which the reference is; and the policy now
 init_path = args.model

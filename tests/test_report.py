@@ -146,7 +146,7 @@ def test_tensorboard_holds_the_records_of_metrics_jsonl(reported):
 
 def test_trackio_log_completions_reads_back_the_rows(tmp_path):
     env = offline_env(tmp_path)
-    code = ("import json, report, trackio\n"
+    code = ("import json, trackio\nfrom runlog import report\n"
             "from types import SimpleNamespace\n"
             "from trackio.sqlite_storage import SQLiteStorage\n"
             f"args = SimpleNamespace(project='p', wandb=None, out_dir={str(tmp_path)!r})\n"

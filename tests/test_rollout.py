@@ -178,7 +178,7 @@ def test_sleep_frees_until_the_sync(tiny, vllm_engine):
 def test_the_input_embedding_keeps_no_packed_copy(tiny, vllm_engine):
     """On CPU the input embedding's packed copy is dropped, at start and after
     each sync; the LM head keeps its own (the parity tests sample through it)."""
-    from rollout import _lookup_only
+    from engines.vllm_engine import _lookup_only
 
     def packed(worker):
         return {name: getattr(module, "cpu_linear", None) is not _lookup_only
