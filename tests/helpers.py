@@ -214,6 +214,17 @@ EPS32 = 2.0 ** -23
 FP64_TOL = 1e-10
 
 
+# An engine's sampling log-probs (vLLM's CPU kernels, the HF engines' decode
+# loops) against the trainer's recomputation, both fp32: two orders of the same
+# forward. No tolerance holds on every code path short of the worst case,
+# fp32_tol(summed_terms) of a log-prob's magnitude (~1e-3 for task.py's tiny
+# Qwen2); independent roundings grow as sqrt(n) eps instead (~3e-5 there at
+# |logp| <= 5), and the gaps measured are ~1e-6 (tests/test_server.py) on this
+# AVX-512 CPU as it is and under MKL_CBWR=SSE4_2. 1e-4 sits above both, and a
+# stale or missing weight is > 1e-2 (each parity test checks that first).
+ENGINE_TOL = 1e-4
+
+
 @contextlib.contextmanager
 def fp64_norms():
     """Within it, transformers' RMSNorms (fast.update.RMS_NORMS) compute an fp64

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from config import LORA_TARGETS
 from fast.lora import merged_adapters
-from helpers import (FP64_TOL, assert_close_rel, fast_forward, fp32_tol, fp64_norms,
+from helpers import (ENGINE_TOL, FP64_TOL, assert_close_rel, fast_forward, fp32_tol, fp64_norms,
                      read_metrics, run_train, summed_terms, without_timings)
 from lora import AdaptersOff, add_lora, lora_config
 from model import prompt_batch, sequence_batch, sequence_logps
@@ -116,7 +116,7 @@ def test_only_adapters_train_and_the_reference_is_the_initial_policy(data):
 
 
 def test_vllm_samples_from_the_merged_policy(tiny, data):
-    """After a sync, vLLM's sampling log-probs equal the trainer's (fp32, < 1e-4).
+    """After a sync, vLLM's sampling log-probs equal the trainer's (fp32, < ENGINE_TOL).
 
     With adapters on q/v only (vLLM's fused qkv layer must still get all its
     weights) and on every target. Only the adapted modules are sent.
@@ -144,7 +144,7 @@ def test_vllm_samples_from_the_merged_policy(tiny, data):
             rollout = engine.generate(prompts, G, MAX_NEW, temperature=1.0)
             logps = trainer_logps(policy, rollout, 1.0)
             err = (rollout.sampling_logps - logps).abs().max().item()
-            assert err < 1e-4, (f"targets {targets}: engine and trainer differ "
+            assert err < ENGINE_TOL, (f"targets {targets}: engine and trainer differ "
                                 f"by {err:.2e} after the sync")
     finally:
         engine.close()
@@ -447,7 +447,7 @@ def test_a_top_level_target_is_synced_and_saved(tiny, data, tmp_path):
         rollout = engine.generate(prompts, G, MAX_NEW, temperature=1.0)
         logps = trainer_logps(policy, rollout, 1.0)
         err = (rollout.sampling_logps - logps).abs().max().item()
-        assert err < 1e-4, f"engine and trainer differ by {err:.2e} after the sync"
+        assert err < ENGINE_TOL, f"engine and trainer differ by {err:.2e} after the sync"
     finally:
         engine.close()
 
