@@ -3,6 +3,7 @@
 train.py runs as a subprocess, on 1 process or under torchrun. Or build only its
 argument parser, in-process, to test flag ranges in milliseconds.
 """
+import contextlib
 import json
 import os
 import shutil
@@ -198,3 +199,114 @@ def refused(argv, capsys):
     assert e.value.code == 2 and out.startswith("error: "), out
     assert out.count("\n") == 1, out
     return out
+
+
+# -----------------------------------------------------------------------------
+# Two computations of the same math held against each other (the same_math
+# marker, tests/README.md)
+
+# fp32's machine epsilon (torch.finfo(torch.float32).eps): the gap between 1
+# and the next fp32 number
+EPS32 = 2.0 ** -23
+# the same math in fp64: relative to the largest entry. fp64's rounding of the
+# tiny models' sums is ~1e-14 of it (eps64 = 2.2e-16 times sums of <= 10^3
+# terms), while a 1e-6 change of a forward or a backward is 10^4 times above
+FP64_TOL = 1e-10
+
+
+# An engine's sampling log-probs (vLLM's CPU kernels, the HF engines' decode
+# loops) against the trainer's recomputation, both fp32: two orders of the same
+# forward. No tolerance holds on every code path short of the worst case,
+# fp32_tol(summed_terms) of a log-prob's magnitude (~1e-3 for task.py's tiny
+# Qwen2); independent roundings grow as sqrt(n) eps instead (~3e-5 there at
+# |logp| <= 5), and the gaps measured are ~1e-6 (tests/test_server.py) on this
+# AVX-512 CPU as it is and under MKL_CBWR=SSE4_2. 1e-4 sits above both, and a
+# stale or missing weight is > 1e-2 (each parity test checks that first).
+ENGINE_TOL = 1e-4
+
+
+@contextlib.contextmanager
+def fp64_norms():
+    """Within it, transformers' RMSNorms (fast.update.RMS_NORMS) compute an fp64
+    input in fp64. Their own forward casts to fp32 and back: in an fp64 model
+    that rounds every norm's output to fp32, and two paths whose inputs differ
+    by fp64 rounding then part by an fp32 ulp (6e-8) where one rounds up and the
+    other down. The formula is theirs: weight * (x * rsqrt(mean(x^2) + eps)).
+    """
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    classes = (LlamaRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm, MistralRMSNorm)
+    own = {cls: cls.forward for cls in classes}
+
+    def forward(self, x):
+        if x.dtype != torch.float64:
+            return own[type(self)](self, x)
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))
+
+    for cls in classes:
+        cls.forward = forward
+    try:
+        yield
+    finally:
+        for cls in classes:
+            cls.forward = own[cls]
+
+
+def fp32_tol(n_summed):
+    """How far apart two fp32 computations of the same math may land, relative
+    to the magnitude of the numbers they sum: n_summed * eps32.
+
+    Why: a sum of n terms is within (n - 1) * eps/2 * sum|x_i| of the exact sum
+    in any order of addition (Higham, Accuracy and Stability of Numerical
+    Algorithms, 2nd ed., eq. 4.4), so two orders of it (another kernel or
+    blocking: MKL's code path for the CPU's instruction set, ATen's vector
+    width, a fused or tiled op) are within about n * eps of the terms'
+    magnitude. Along a chain of sums (a model's layers) the first-order bounds
+    add: n_summed counts the terms of every sum behind a compared number
+    (summed_terms for a model). It is a worst case: the gaps measured are 10 to
+    1000 times below it, on any x86 code path, and a bug (a wrong mask,
+    position, scale or cache slot) is far above it. A backward cannot be held
+    tighter than its rounding in fp32: where a path also runs in fp64, its test
+    compares there too, to FP64_TOL.
+    """
+    return n_summed * EPS32
+
+
+def summed_terms(config, tokens):
+    """n_summed (fp32_tol) of a log-prob or a weight's gradient through a
+    transformers decoder of this config, over sequences of `tokens` positions.
+
+    Per layer: the two norms' means (2 x hidden), the q/k/v projections
+    (hidden), the scores (head_dim), the softmax and the attention's weighted
+    sum (2 x tokens), o_proj (hidden), gate/up (hidden), down (intermediate);
+    then the final norm and the head (2 x hidden), the log-softmax
+    (vocabulary), and a weight's gradient, summed over the tokens.
+    """
+    d = config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
+    layer = 5 * d + head_dim + 2 * tokens + config.intermediate_size
+    return config.num_hidden_layers * layer + 2 * d + config.vocab_size + tokens
+
+
+def assert_close_rel(got, want, rel, scale=None, msg=""):
+    """|got - want| <= rel * scale everywhere; scale: want's largest magnitude
+    by default (each entry's rounding follows the terms summed into it, at most
+    the largest)."""
+    import torch
+
+    got, want = torch.as_tensor(got), torch.as_tensor(want)
+    assert got.shape == want.shape, (msg, got.shape, want.shape)
+    if scale is None:
+        scale = want.abs().max().item() if want.numel() else 0.0
+    err = (got.double() - want.double()).abs().max().item() if want.numel() else 0.0
+    # shown with -s (pytest -s -m same_math: the margins)
+    print(f"same math {msg}: {err:.3g} <= {rel:.3g} x {scale:.3g}, "
+          f"{err / (rel * scale) if rel * scale else 0:.2g} of the bound")
+    assert err <= rel * scale, (f"{msg}: differ by {err:.3g} > {rel:.3g} x {scale:.3g} "
+                                f"(= {rel * scale:.3g})")
+    return err

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 import data
 from tools import environment
 from tools.environment import load_specs
-from helpers import fine_tune, read_metrics, run_train, without_timings
+from helpers import ENGINE_TOL, fine_tune, read_metrics, run_train, without_timings
 from reward import accuracy_reward, environment_reward_func, final_number_reward, score
 from engines.vllm_engine import VLLMEngine
 from rollout import Engine, HFEngine
@@ -182,7 +182,7 @@ def test_hf_and_vllm_give_the_same_transcripts(caller, chat, specs):
             for field in ("completion_ids", "completion_mask", "tool_mask", "is_finished"):
                 assert torch.equal(getattr(hf, field), getattr(vl, field)), (name, field)
             assert hf.environment_rewards == vl.environment_rewards
-            assert (hf.sampling_logps - vl.sampling_logps).abs().max() < 1e-4
+            assert (hf.sampling_logps - vl.sampling_logps).abs().max() < ENGINE_TOL
     finally:
         vllm.close()
 

@@ -1,8 +1,11 @@
 """--fast: the speed machinery of fast/, held against the plain path it replaces.
 
 - One update from the same state: the same log-probs, loss and gradients with
-  --fast on and off (fp32, 1e-5), through the logits and through the fused head.
-- The two decode loops draw the same completions from the same uniforms.
+  --fast on and off, through the logits and through the fused head: in fp64 to
+  FP64_TOL (the same math), and in fp32 (the fused head and the norms' backward
+  by hand run in fp32 only) to its rounding, fp32_tol (tests/helpers.py).
+- The two decode loops draw the same completions from the same uniforms, and
+  the same log-probs to fp32 rounding (both run in fp32).
 - A default run imports none of the optional features' modules; --fast off none
   of fast/.
 - A resume across a change of --fast is refused in one line.
@@ -18,7 +21,8 @@ import torch
 import config
 import fast
 from batch import UpdateBatch
-from helpers import ENV, ROOT, run_train
+from helpers import (ENV, FP64_TOL, ROOT, assert_close_rel, fp32_tol, fp64_norms, run_train,
+                     summed_terms)
 from loss import LossSettings, minibatch_tokens, policy_loss
 from model import Forward, load_model, pad_id, prompt_batch, sequence_logps
 from rollout import HFEngine
@@ -109,16 +113,31 @@ def test_one_update_is_the_same_with_fast_on_and_off(tiny, entropy_coef):
     assert (forward.head_logps is not None) == (entropy_coef == 0)
     got = one_update(policy, forward, prompts, completion_ids, completion_mask, settings)
 
-    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
-    for name, grad in want[2].items():
-        torch.testing.assert_close(got[2][name], grad, atol=1e-5, rtol=1e-5, msg=name)
-
-    # the old and reference log-probs, micro-batch by micro-batch
-    plain_logps = sequence_logps(Forward(), plain, prompts, completion_ids, 0.7, micro=4)
-    fast_logps = sequence_logps(forward, policy, prompts, completion_ids, 0.7, micro=4)
+    n_summed = summed_terms(plain.config, prompts[0].shape[1] + completion_ids.shape[1])
     mask = completion_mask.bool()
-    torch.testing.assert_close(fast_logps[mask], plain_logps[mask], atol=1e-5, rtol=1e-5)
+
+    def the_same(got, want, tol):
+        (logps, loss, grads), (ref_logps, ref_loss, ref_grads) = got, want
+        assert_close_rel(logps, ref_logps, tol, msg="log-probs")
+        assert_close_rel(loss, ref_loss, tol, msg="loss")
+        for name, grad in ref_grads.items():
+            assert_close_rel(grads[name], grad, tol, msg=name)
+
+        # the old and reference log-probs, micro-batch by micro-batch
+        plain_logps = sequence_logps(Forward(), plain, prompts, completion_ids, 0.7, micro=4)
+        fast_logps = sequence_logps(forward, policy, prompts, completion_ids, 0.7, micro=4)
+        assert_close_rel(fast_logps[mask], plain_logps[mask], tol, msg="old log-probs")
+
+    the_same(got, want, fp32_tol(n_summed))
+
+    # fp64 (in place): the same forward (fast.install's, above), the same math
+    plain.double()
+    policy.double()
+    with fp64_norms():
+        want = one_update(plain, Forward(), prompts, completion_ids, completion_mask, settings)
+        got = one_update(policy, forward, prompts, completion_ids, completion_mask, settings)
+        assert got[0].dtype == want[0].dtype == torch.float64
+        the_same(got, want, FP64_TOL)
 
 
 @pytest.mark.parametrize("temperature, filters", [
@@ -128,7 +147,8 @@ def test_one_update_is_the_same_with_fast_on_and_off(tiny, entropy_coef):
 ])
 def test_the_decode_loops_draw_the_same_completions(tiny, temperature, filters):
     """The same seed gives both loops the same uniforms: the same tokens, and
-    log-probs to rounding (the plain loop prefills each completion's prompt)."""
+    log-probs to fp32 rounding (the plain loop prefills each completion's
+    prompt)."""
     path, _, tokenizer, prompt_ids = tiny
     plain = HFEngine(load_model(path, torch.float32, "cpu"), tokenizer, seed=SEED)
     _, engine, _, _ = installed(path, tokenizer, flags(), minibatch=1)
@@ -139,7 +159,10 @@ def test_the_decode_loops_draw_the_same_completions(tiny, temperature, filters):
 
     assert got.completion_ids.tolist() == want.completion_ids.tolist()
     assert got.is_finished.tolist() == want.is_finished.tolist()
-    torch.testing.assert_close(got.sampling_logps, want.sampling_logps, atol=1e-5, rtol=1e-5)
+    # fp32 only (the fast loop's shared prompt and tiled head): to its rounding
+    n_summed = summed_terms(plain.model.config, max(map(len, prompt_ids)) + 12)
+    assert_close_rel(got.sampling_logps, want.sampling_logps, fp32_tol(n_summed),
+                     msg="sampling log-probs")
 
 
 def test_a_sliding_window_model_keeps_the_plain_decode_loop(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fast.decode import FastHFEngine
-from helpers import PROMPTS
+from helpers import ENGINE_TOL, PROMPTS
 from model import pad_id, selective_log_softmax, sequence_batch
 from engines.vllm_engine import VLLMEngine, cpu_kv_cache_bytes
 from rollout import HFEngine, make_engine, pick_engine, process_logits
@@ -105,7 +105,7 @@ def engine_and_model(request, tiny):
 def test_vllm_sync_parity(tiny, vllm_engine, temperature, seed):
     """Without the sync the engine samples from stale weights, and logprobs differ.
 
-    After it they match to 1e-4.
+    After it they match to ENGINE_TOL (tests/helpers.py).
     """
     _, model, _, prompts = tiny
     # default dtype: the checkpoint's float32 (vLLM's own "auto" would have
@@ -129,7 +129,7 @@ def test_vllm_sync_parity(tiny, vllm_engine, temperature, seed):
     rollout = vllm_engine.generate(prompts, G, MAX_NEW, temperature=temperature)
     logps = trainer_logps(new_model, rollout, temperature)
     err = (rollout.sampling_logps - logps).abs().max().item()
-    assert err < 1e-4, (f"engine and trainer logprobs differ by {err:.2e} after sync "
+    assert err < ENGINE_TOL, (f"engine and trainer logprobs differ by {err:.2e} after sync "
                         f"at T={temperature}")
 
 
@@ -207,7 +207,7 @@ def test_sync_ddp_wrapped(tiny, vllm_engine):
     vllm_engine.sync_weights(wrapper)
     rollout = vllm_engine.generate(prompts, 2, MAX_NEW, temperature=1.0)
     err = rollout.sampling_logps - trainer_logps(new_model, rollout, 1.0)
-    assert err.abs().max() < 1e-4
+    assert err.abs().max() < ENGINE_TOL
 
 
 def test_interface(tiny, engine_and_model):
@@ -263,7 +263,7 @@ def test_interface(tiny, engine_and_model):
         assert len({tuple(x.tolist()) for x in r.completion_ids[g * G : (g + 1) * G]}) > 1
 
     # grouping is right iff each completion's logprobs match its own prompt
-    assert (r.sampling_logps - trainer_logps(model, r, 1.0)).abs().max() < 1e-4
+    assert (r.sampling_logps - trainer_logps(model, r, 1.0)).abs().max() < ENGINE_TOL
 
 
 def test_processed_logprobs(tiny, engine_and_model):
@@ -276,7 +276,7 @@ def test_processed_logprobs(tiny, engine_and_model):
 
     expected = trainer_logps(model, r, 0.7, top_k=3)
     assert torch.isfinite(expected).all(), "a token outside the top 3 was sampled"
-    assert (r.sampling_logps - expected).abs().max() < 1e-4
+    assert (r.sampling_logps - expected).abs().max() < ENGINE_TOL
 
 
 def replayed_logps(model, rollout, temperature, **filters):
@@ -316,7 +316,7 @@ def test_hf_vllm_filter_parity(tiny, vllm_engine, name):
     """The two engines sample from the same distribution at each sampling knob.
 
     vLLM's sampling log-probs of its own completions equal HFEngine's filter
-    replayed on the same tokens (1e-4), and so do HFEngine's of its own. The
+    replayed on the same tokens (ENGINE_TOL), and so do HFEngine's of its own. The
     knob moves them (> 1e-2 off the unfiltered ones).
     """
     _, model, tokenizer, prompts = tiny
@@ -330,7 +330,7 @@ def test_hf_vllm_filter_parity(tiny, vllm_engine, name):
         ours = replayed_logps(model, r, 0.7, **filters)
         assert torch.isfinite(ours[mask]).all(), f"{engine}: sampled a token HF drops"
         err = (r.sampling_logps - ours).abs().max().item()
-        assert err < 1e-4, f"{type(engine).__name__} {filters}: off HF's by {err:.2e}"
+        assert err < ENGINE_TOL, f"{type(engine).__name__} {filters}: off HF's by {err:.2e}"
 
         unfiltered = replayed_logps(model, r, 0.7)
         moved = (r.sampling_logps - unfiltered)[mask].abs().max().item()
@@ -399,7 +399,7 @@ def test_max_new_tokens_and_greedy(tiny, engine_and_model):
     greedy = engine.generate(tiny[3], 2, MAX_NEW, temperature=0.0)
     # greedy: G copies
     assert torch.equal(greedy.completion_ids[0::2], greedy.completion_ids[1::2])
-    assert (greedy.sampling_logps - trainer_logps(model, greedy, 1.0)).abs().max() < 1e-4
+    assert (greedy.sampling_logps - trainer_logps(model, greedy, 1.0)).abs().max() < ENGINE_TOL
 
 
 def test_state_dict_resumes_the_stream(tiny):

