@@ -59,6 +59,7 @@ def edit_objective(monkeypatch, factor):
             monkeypatch.setitem(loss.SURROGATES, name, edited)
 
 
+@pytest.mark.same_math
 @pytest.mark.parametrize("name", SETTINGS)
 def test_the_kernel_agrees_with_loss_py(name):
     ok, numbers = agrees_with_reference(SETTINGS[name], DEVICE)
