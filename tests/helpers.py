@@ -293,6 +293,25 @@ def summed_terms(config, tokens):
     return config.num_hidden_layers * layer + 2 * d + config.vocab_size + tokens
 
 
+def tiny_run_tol():
+    """fp32_tol of a train.py run's logged numbers on task.py's tiny Qwen2 (the
+    default model): summed_terms of its config at its 64 positions.
+
+    A run's first update is two orders of the same forward and backward. The
+    later ones follow AdamW's normalised steps, the same lr-sized move of every
+    weight whose gradient is above its rounding, so two runs of the same math
+    stay within this bound too (the tests that compare runs print the gaps
+    measured: pytest -s).
+    """
+    import torch
+
+    from task import build_tiny_model, build_tokenizer
+
+    with torch.random.fork_rng():  # build_tiny_model seeds the global generator
+        config = build_tiny_model(build_tokenizer()).config
+    return fp32_tol(summed_terms(config, config.max_position_embeddings))
+
+
 def assert_close_rel(got, want, rel, scale=None, msg=""):
     """|got - want| <= rel * scale everywhere; scale: want's largest magnitude
     by default (each entry's rounding follows the terms summed into it, at most
