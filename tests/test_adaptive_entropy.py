@@ -13,8 +13,7 @@ import pytest
 from adaptive_entropy import applied_coef as applied_entropy_coef
 from adaptive_entropy import next_coef as next_entropy_coef
 from config import check_flags
-from helpers import refused, run_train, without_timings
-from test_train import assert_run_loss_close
+from helpers import assert_run_loss_close, refused, run_train, without_timings
 from helpers import parse_flags as parse
 
 FAST = ["--engine", "hf", "--steps", "3", "--eval-size", "8", "--eval-every", "0",
@@ -107,7 +106,7 @@ def test_a_shut_gate_is_no_bonus(tmp_path):
     The coefficient falls from the recipe's 0.1 by 0.005 a step and the bonus is
     never applied: every other number is that of a run with --entropy-coef 0, to
     fp32 rounding (that run's update takes the fused head, its projections on the
-    real tokens only: fast.update.completion_logps): test_train.RUN_LOSS_TOL,
+    real tokens only: fast.update.completion_logps): helpers.RUN_LOSS_TOL,
     relative and absolute, as its loss and KL are its smallest numbers.
     """
     _, out, records = run_train(FAST + ["--adaptive-entropy", "--entropy-target", "0"],

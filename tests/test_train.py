@@ -8,22 +8,8 @@ import os
 import pytest
 import torch
 
-from helpers import assert_close_rel, run_train, tiny_run_tol, without_timings
-
-# Two runs' logged loss and KL, when they are the same math to fp32 rounding.
-# Not derived: both are means that cancel (the advantages over a group; exp(d) -
-# d - 1 against 1) to 1e-5..1e-3 here, below the worst-case bound of their fp32
-# terms of order 1 (tiny_run_tol, 3e-4), which would test nothing. The gaps
-# measured are 0 to 3e-8 (pytest -s), on this AVX-512 CPU as it is, under
-# MKL_CBWR=SSE4_2 and under ATEN_CPU_CAPABILITY=default: both runs take each
-# log-prob from the same weights through the same kernels but the one compared.
-RUN_LOSS_TOL = dict(rel=1e-5, abs=1e-6)
-
-
-def assert_run_loss_close(got, want, key):
-    assert_close_rel(got, want, 1.0, scale=RUN_LOSS_TOL["abs"] + RUN_LOSS_TOL["rel"] * abs(want),
-                     msg=key)
-
+from helpers import (assert_close_rel, assert_run_loss_close, run_train, tiny_run_tol,
+                     without_timings)
 
 FAST = ["--steps", "3", "--eval-every", "0", "--eval-size", "16",
         "--prompts-per-step", "8"]
@@ -182,7 +168,7 @@ def test_bf16_updates_the_fp32_master_weights(tmp_path):
 def test_logged_loss_is_the_minibatch_loss_whatever_the_micro_batch(loss_type, tmp_path):
     """The logged loss is the minibatch's loss (the sum of its micro-batches'
     shares), so micro-batches of 1, 2 or 4 completions change nothing but
-    fp32 rounding (RUN_LOSS_TOL; the entropy to helpers.tiny_run_tol).
+    fp32 rounding (helpers.RUN_LOSS_TOL; the entropy to helpers.tiny_run_tol).
 
     Completions of different lengths (EOS or not) make bnpo's token mean differ
     from a mean of micro-batch token means.
@@ -226,7 +212,7 @@ def test_identical_completions_train_as_one_weighed_row(tmp_path):
 
     The logged loss, KL, entropy and gradient norm are those of the plain update
     over every row (micro-batches of half the batch: no deduplication), to fp32
-    rounding (RUN_LOSS_TOL; the entropy and gradient norm to helpers.tiny_run_tol).
+    rounding (helpers.RUN_LOSS_TOL; the entropy and gradient norm to tiny_run_tol).
     One-token completions repeat within a group.
     """
     args = ["--steps", "1", "--eval-every", "0", "--eval-size", "2",
@@ -249,7 +235,7 @@ def test_the_fused_head_trains_as_the_logits_do(tmp_path):
     vocabulary filters nothing and takes the logits path. Off-policy (two
     minibatches: old log-probs, the ratio at padded tokens) and with a
     reference: the same rewards, and losses, KL and gradient norms to fp32
-    rounding (RUN_LOSS_TOL; the gradient norm to helpers.tiny_run_tol)."""
+    rounding (helpers.RUN_LOSS_TOL; the gradient norm to helpers.tiny_run_tol)."""
     from task import build_tokenizer
 
     args = ["--steps", "2", "--eval-every", "0", "--eval-size", "2",
