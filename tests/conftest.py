@@ -22,12 +22,17 @@ import pytest  # noqa: E402
 
 
 def pytest_configure(config):
-    """Start zygote.py's warm servers, once per session.
+    """Register the same_math marker, and start zygote.py's warm servers, once
+    per session.
 
-    This runs in the xdist controller, or the only process. The test subprocesses
-    fork from the servers instead of importing torch, transformers and vLLM again
-    (TINYGRPO_TEST_ZYGOTE=0: cold).
+    The servers start in the xdist controller, or the only process. The test
+    subprocesses fork from them instead of importing torch, transformers and
+    vLLM again (TINYGRPO_TEST_ZYGOTE=0: cold).
     """
+    config.addinivalue_line(
+        "markers", "same_math: holds two computations of the same math against each other, "
+        "in fp64 to helpers.FP64_TOL or in fp32 to helpers.fp32_tol; .ci/run reruns them "
+        "under other CPU kernels (MKL_CBWR=SSE4_2, ATEN_CPU_CAPABILITY=default)")
     controller = "PYTEST_XDIST_WORKER" not in os.environ
     wanted = os.environ.get("TINYGRPO_TEST_ZYGOTE", "1") != "0"
     running = "TINYGRPO_ZYGOTE_VLLM" in os.environ

@@ -546,6 +546,7 @@ COMPLETIONS = ["<think>12 - 5 = 7</think> 7", "<think>no idea</think> 12", "7",
 
 
 @pytest.mark.parametrize("with_template", [True, False])
+@pytest.mark.same_math
 def test_reward_model_scores(with_template, tmp_path):
     if with_template:
         tok = chat_tokenizer()

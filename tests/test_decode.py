@@ -83,6 +83,7 @@ def test_the_grouped_attention_is_set_on_a_loaded_model(grouped):
     assert plain.config._attn_implementation == "sdpa"
 
 
+@pytest.mark.same_math
 def test_grouped_attention_equals_repeated_heads(grouped):
     """fast.update.completion_logits (prefix shared, left padded) and their
     gradients: in fp64 to FP64_TOL, in fp32 to its rounding."""
@@ -118,6 +119,7 @@ def test_grouped_attention_equals_repeated_heads(grouped):
             assert_close_rel(a, b, tol, msg=name)
 
 
+@pytest.mark.same_math
 def test_shared_prefix_attends_as_each_rows_whole_sequence():
     """SharedPrefix.attend: 3 prompts (left-padded, 2 KV heads for 6 query
     heads), their rows' completions of 5 tokens; then with rows dropped, so
@@ -187,6 +189,7 @@ def full_forward_logps(model, rollout, temperature):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
+@pytest.mark.same_math
 def test_preallocated_cache_decodes_as_a_full_forward(grouped, temperature):
     _, policy, tokenizer, prompt_ids = grouped
     engine = FastHFEngine(policy, tokenizer, seed=0)
@@ -229,6 +232,7 @@ def mixed(tmp_path_factory):
     return rollout, policy
 
 
+@pytest.mark.same_math
 def test_a_sliding_window_layer_decodes_as_a_full_forward(mixed):
     """The cache keeps every slot there (not the filled ones only, nor
     SharedPrefix): the unpadded prompt's rows' log-probs equal a full forward's."""
@@ -244,6 +248,7 @@ def test_a_sliding_window_layer_decodes_as_a_full_forward(mixed):
                    "f8de745 too); rollout.HFEngine's plain loop matches (2e-7): the fast "
                    "loop's sliding-window cache, not traced yet; so fast.install keeps "
                    "the plain loop for such a model (tests/test_fast.py)")
+@pytest.mark.same_math
 def test_a_sliding_window_layer_decodes_left_padded_rows_as_a_full_forward(mixed):
     rollout, policy = mixed
     logps, _ = full_forward_logps(policy, rollout, 1.0)
@@ -290,6 +295,7 @@ def draw_tol(exact):
 
 
 @pytest.mark.parametrize("V", [1000, 49152])
+@pytest.mark.same_math
 def test_two_level_cdf_draws_the_tokens_of_one_cumulative_sum(V):
     """The same uniforms pick the same tokens. A vocabulary of 1000 leaves a
     short last block (CDF_BLOCK 256); some tokens are filtered (-inf). The
@@ -334,6 +340,7 @@ def test_a_uniform_at_the_top_of_a_row_draws_its_last_token_of_mass():
     assert torch.equal(_inverse_cdf(weights, block_cdf, u), torch.tensor([399, 596]))
 
 
+@pytest.mark.same_math
 def test_tiled_head_gives_the_plain_heads_logits(grouped, monkeypatch):
     _, policy, _, _ = grouped
     head = policy.get_output_embeddings()
@@ -378,6 +385,7 @@ def test_tiled_head_gives_the_plain_heads_logits(grouped, monkeypatch):
         assert "forward" not in vars(head)
 
 
+@pytest.mark.same_math
 def test_tiled_head_keeps_the_engines_samples(grouped, monkeypatch):
     _, policy, tokenizer, prompt_ids = grouped
     monkeypatch.setattr(fast.decode, "HEAD_TILE_ROWS", 4)
@@ -396,6 +404,7 @@ def test_tiled_head_keeps_the_engines_samples(grouped, monkeypatch):
     assert_decode_close(tiled.sampling_logps[mask], plain.sampling_logps[mask], policy, plain)
 
 
+@pytest.mark.same_math
 def test_ended_rows_leave_the_batch_with_the_same_samples(grouped, monkeypatch):
     _, policy, tokenizer, prompt_ids = grouped
     kept = []

@@ -94,6 +94,7 @@ def one_update(policy, forward, prompts, completion_ids, completion_mask, settin
 
 # entropy bonus on: through the logits; off: the fused head (fast.update.completion_logps)
 @pytest.mark.parametrize("entropy_coef", [0.1, 0.0])
+@pytest.mark.same_math
 def test_one_update_is_the_same_with_fast_on_and_off(tiny, entropy_coef):
     path, _, tokenizer, prompt_ids = tiny
     args = flags("--entropy-coef", str(entropy_coef))
@@ -139,6 +140,7 @@ def test_one_update_is_the_same_with_fast_on_and_off(tiny, entropy_coef):
     (0.0, {}),
     (0.8, dict(top_k=5, repetition_penalty=1.3)),
 ])
+@pytest.mark.same_math
 def test_the_decode_loops_draw_the_same_completions(tiny, temperature, filters):
     """The same seed gives both loops the same uniforms: the same tokens, and
     log-probs to fp32 rounding (the plain loop prefills each completion's

@@ -224,6 +224,7 @@ GRID = list(itertools.product([1.0, 0.7], [False, True], [0.0, 0.04], [0.0, 0.01
 
 
 @pytest.mark.parametrize("temperature, has_old, beta, entropy_coef, tis_cap", GRID)
+@pytest.mark.same_math
 def test_matches_loss_py_fp32(temperature, has_old, beta, entropy_coef, tis_cap):
     case = GRID.index((temperature, has_old, beta, entropy_coef, tis_cap))
     loss_type = CLIP_TYPES[case % len(CLIP_TYPES)]  # every reduction, across the grid
@@ -242,6 +243,7 @@ def test_matches_loss_py_fp32(temperature, has_old, beta, entropy_coef, tis_cap)
         assert stats["is_clipped_high"][0, 0] and stats["is_clipped_low"][1, 0]
 
 
+@pytest.mark.same_math
 def test_without_ref_logps_and_stats_keys():
     base, ids, advantages, mask, old_logps, *_ = make_batch()
     _, _, stats = fused_grpo_token_loss(base[:, :-1], ids, advantages, mask, old_logps,
@@ -253,6 +255,7 @@ def test_without_ref_logps_and_stats_keys():
     assert_matches(out, mask)
 
 
+@pytest.mark.same_math
 def test_masked_tokens_get_zero_gradient():
     base, ids, advantages, mask, old_logps, ref_logps, _ = make_batch()
     out = compare(base, ids, advantages, mask, old_logps, ref_logps, beta=0.04,
@@ -269,6 +272,7 @@ OBJECTIVE_GRID = list(itertools.product(["cispo", "sapo"], [False, True], [False
 
 
 @pytest.mark.parametrize("loss_type, has_old, kl_bias_correction", OBJECTIVE_GRID)
+@pytest.mark.same_math
 def test_objectives_match_loss_py_fp32(loss_type, has_old, kl_bias_correction):
     """Every objective the kernel shares with loss.py, forward and backward.
 
@@ -295,6 +299,7 @@ def test_objectives_match_loss_py_fp32(loss_type, has_old, kl_bias_correction):
 
 
 @pytest.mark.parametrize("loss_type", ["cispo", "sapo"])
+@pytest.mark.same_math
 def test_objectives_bf16_within_the_error_of_pytorch_bf16(loss_type):
     """bf16 logits, as test_bf16_within_the_error_of_pytorch_bf16.
 
@@ -321,6 +326,7 @@ DELTA_GRID = list(itertools.product(["grpo", "dapo"], [None, 2.0], [0.0, 0.04]))
 
 
 @pytest.mark.parametrize("loss_type, tis_cap, beta", DELTA_GRID)
+@pytest.mark.same_math
 def test_delta_matches_loss_py_fp32(loss_type, tis_cap, beta):
     """ratio -> min(ratio, delta) in the clipped surrogate, forward and backward.
 
@@ -348,6 +354,7 @@ def test_delta_matches_loss_py_fp32(loss_type, tis_cap, beta):
 
 
 @pytest.mark.parametrize("delta", [1.0, 0.9])
+@pytest.mark.same_math
 def test_delta_at_a_tie_and_below_one(delta):
     """On-policy the ratio is exactly 1.
 
@@ -384,6 +391,7 @@ def test_delta_at_a_tie_and_below_one(delta):
 
 @pytest.mark.parametrize("epsilon_low, epsilon_high",
                          [(0.0, 0.0), (0.0, 0.2), (0.2, 0.0)])
+@pytest.mark.same_math
 def test_ratio_exactly_on_the_clip_boundary(epsilon_low, epsilon_high):
     """On-policy the ratio is exactly 1.0 in both implementations.
 
@@ -402,6 +410,7 @@ def test_ratio_exactly_on_the_clip_boundary(epsilon_low, epsilon_high):
     assert not stats["is_clipped_low"].any() and not stats["is_clipped_high"].any()
 
 
+@pytest.mark.same_math
 def test_clipped_side_gets_no_policy_gradient():
     """ratio = e^0.5 > 1 + eps with A > 0, and ratio = e^-0.5 < 1 - eps with
     A < 0: the min picks the clipped (constant) side, so only the KL term moves
@@ -421,6 +430,7 @@ def test_clipped_side_gets_no_policy_gradient():
 
 # ---- extreme logits ------------------------------------------------------------
 
+@pytest.mark.same_math
 def test_very_negative_logits():
     """-inf (a banned token) and the lowest finite value in the same rows as
     normal logits.
@@ -448,6 +458,7 @@ def test_very_negative_logits():
         assert_close_rel(out[name][0], finite[name][1], finite["tol"], scale=scale, msg=name)
 
 
+@pytest.mark.same_math
 def test_row_of_lowest_logits_is_uniform():
     """All V logits at the lowest fp32 value: softmax is uniform.
 
@@ -477,6 +488,7 @@ def test_row_of_lowest_logits_is_uniform():
 
 
 @pytest.mark.parametrize("shift, scale", [(1e4, 3.0), (-1e4, 30.0), (0.0, 300.0)])
+@pytest.mark.same_math
 def test_very_large_logits(shift, scale):
     """Large offsets and peaked distributions.
 
@@ -501,6 +513,7 @@ def test_very_large_logits(shift, scale):
 
 # ---- layouts, dtypes, memory ---------------------------------------------------
 
+@pytest.mark.same_math
 def test_arbitrary_strides():
     """(T, B, V) storage seen as (B, T, V), plus a slice along V's neighbours:
     only stride(-1) == 1 matters."""
@@ -513,6 +526,7 @@ def test_arbitrary_strides():
     assert_matches(out, mask)
 
 
+@pytest.mark.same_math
 def test_inplace_backward_reuses_the_logits_storage():
     base, ids, advantages, mask, old_logps, ref_logps, _ = make_batch()
     out = compare(base, ids, advantages, mask, old_logps, ref_logps, beta=0.04)
@@ -529,6 +543,7 @@ def test_inplace_backward_reuses_the_logits_storage():
     assert_close_rel(logits.grad, expected, out["tol"], msg="grad")
 
 
+@pytest.mark.same_math
 def test_bf16_within_the_error_of_pytorch_bf16():
     """bf16 logits. The judge: fp32 loss.py on the same (upcast) logits.
 
@@ -604,6 +619,7 @@ def test_bad_inputs_say_what_to_change():
                               settings=LossSettings(temperature=0))
 
 
+@pytest.mark.same_math
 def test_torch_compile_around_the_op_cpu():
     """Dynamo (eager backend: no C++ toolchain needed) traces the code around
     the op and graph-breaks at it."""

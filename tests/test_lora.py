@@ -150,6 +150,7 @@ def test_vllm_samples_from_the_merged_policy(tiny, data):
         engine.close()
 
 
+@pytest.mark.same_math
 def test_hf_engine_samples_through_merged_adapters(tiny, data, monkeypatch):
     """On the CPU the HF engine's fast loop (fast.decode.FastHFEngine) runs
     each adapted layer as one matmul of its merged weight
@@ -209,6 +210,7 @@ def policy_grads(policy, prompts, completions):
     return loss.detach(), dict(zip(["embeddings", *trainable], grads))
 
 
+@pytest.mark.same_math
 def test_update_through_merged_adapters_has_peft_gradients(data):
     """With gradients, merged_adapters' layers (MergedLoraLinear) give the
     loss (fp32, to its rounding: fp32_tol), the adapters' gradients and the
@@ -258,6 +260,7 @@ def test_update_through_merged_adapters_has_peft_gradients(data):
     assert (merged_dropped - peft_loss).abs() > 1e-4
 
 
+@pytest.mark.same_math
 def test_update_path_nests_packed_positions_in_merged_adapters(data, monkeypatch):
     """train.py's update of a LoRA policy (fast.install's): completion_logps
     (packed_positions wraps q/k/v/o and the MLPs) inside the merged_adapters

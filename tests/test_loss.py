@@ -42,6 +42,7 @@ def test_selective_log_softmax_by_hand():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.same_math
 def test_selective_log_softmax_matches_full_log_softmax_in_chunks(dtype):
     """The same math: in fp64 to FP64_TOL, from fp32 or bf16 logits (fp32
     log-probs) to fp32 rounding, fp32_tol of a row's 50 logits and the
@@ -331,6 +332,7 @@ ADD_UP_CASES = list(itertools.product(LOSS_TYPES, ("all", "knobs", "token_mask")
 
 
 @pytest.mark.parametrize("loss_type, options", ADD_UP_CASES)
+@pytest.mark.same_math
 def test_micro_batch_losses_add_up_to_the_minibatch_loss(loss_type, options):
     """policy_loss over micro-batches of 1, 2 or 4 sequences.
 
@@ -693,6 +695,7 @@ TRITON_CASES = [
 # intended: see test_kernel.py
 @pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 @pytest.mark.parametrize("loss_type, options", TRITON_CASES)
+@pytest.mark.same_math
 def test_policy_loss_triton_matches_torch(loss_type, options, monkeypatch):
     """The kernel path (under TRITON_INTERPRET=1 on CPU) reports the same
     metrics and the same gradient: the kernel in fp32 (it computes in fp32
@@ -777,6 +780,7 @@ UNIQUE_CASES = [
 # intended: see test_kernel.py
 @pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 @pytest.mark.parametrize("loss_type, options, impl", UNIQUE_CASES)
+@pytest.mark.same_math
 def test_unique_rows_with_counts_are_the_whole_batch(loss_type, options, impl,
                                                      monkeypatch):
     """train.py trains one row of each set of identical completions, weighed by
@@ -1064,6 +1068,7 @@ def test_a_minibatch_of_only_truncated_completions_has_loss_zero(loss_type):
     assert torch.equal(logps.grad, torch.zeros_like(logps))
 
 
+@pytest.mark.same_math
 def test_high_entropy_mask_keeps_the_top_quantile():
     """Entropies 0..9 at 10 unmasked tokens, and masked ones higher still.
 
@@ -1277,6 +1282,7 @@ NAIVE_OPTIONS = ("all", "on_policy_tis", "gspo", "knobs", "token_mask", "delta")
 @pytest.mark.parametrize("loss_type, options",
                          [case for case in itertools.product(LOSS_TYPES, NAIVE_OPTIONS)
                           if _takes(*case)])
+@pytest.mark.same_math
 def test_policy_loss_matches_a_naive_implementation(loss_type, options):
     """Loss and gradient w.r.t. the logits (float64), for every loss type with
     every knob."""

@@ -21,6 +21,7 @@ import os
 import sys
 import types
 
+import pytest
 import torch
 
 from helpers import FP64_TOL, assert_close_rel, run_two_rank_script
@@ -34,6 +35,7 @@ N = 4  # completions per rank, in micro-batches of 2
 SETTINGS = dict(beta=0.04, entropy_coef=0.01, max_new_tokens=T, temperature=0.7)
 
 
+@pytest.mark.same_math
 def test_two_ranks_match_one_process():
     run_two_rank_script(__file__)
 

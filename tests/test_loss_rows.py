@@ -155,6 +155,7 @@ def assert_same_value_and_gradient(loss, expected, logits):
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("delta", [None, 1.3])
+@pytest.mark.same_math
 def test_luspo_matches_trl(seed, delta):
     """Sequence log-ratios shifted so that sequence 0 (A > 0) is clipped above
     and sequence 1 (A < 0) is above delta."""
@@ -202,6 +203,7 @@ VESPO_CASES = [
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("is_correction, is_min, is_max, k, lam", VESPO_CASES)
+@pytest.mark.same_math
 def test_vespo_matches_trl(seed, is_correction, is_min, is_max, k, lam):
     """With the IS correction the ratio enters phi's log W, not the loss; the
     masked mode's zeros reach log W as log 1e-8."""
@@ -247,6 +249,7 @@ def test_vespo_phi_by_hand():
     torch.testing.assert_close(logps.grad, torch.tensor([[0.5, 0.5, 0.0]]))
 
 
+@pytest.mark.same_math
 def test_vespo_ignores_padding_even_when_its_is_weight_is_not_one():
     """Padding's IS weight is exp(0) = 1, but is_min 1.1 truncates it to 1.1.
 
@@ -272,6 +275,7 @@ def test_vespo_ignores_padding_even_when_its_is_weight_is_not_one():
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.same_math
 def test_delta_matches_trl(seed, loss_type):
     """Token-level ratios of 0.5-2 against delta = 1.4: some A < 0 tokens are
     capped."""

@@ -66,6 +66,7 @@ def test_prompt_batch_keeps_each_prompt_once():
 @pytest.mark.parametrize("micro", [12, 5, 1])
 # a 1-token prompt; no prefix at all
 @pytest.mark.parametrize("lengths", [(3, 1, 5, 2), (1, 1, 1, 1)])
+@pytest.mark.same_math
 def test_logits_and_gradients_match_whole_sequences(tiny, micro, lengths):
     _, model, _, _ = tiny
     prompt_ids, completion_ids = rollout_like(lengths=lengths)
@@ -100,6 +101,7 @@ def test_logits_and_gradients_match_whole_sequences(tiny, micro, lengths):
 
 # the prefix shared (fast/update.py), and model.py's plain forward
 @pytest.mark.parametrize("forward", [fast_forward(), Forward()], ids=["fast", "plain"])
+@pytest.mark.same_math
 def test_sequence_logps_bf16_matches_whole_sequences(tiny, forward):
     _, model, _, _ = tiny
     prompt_ids, completion_ids = rollout_like()
@@ -131,6 +133,7 @@ def saved_bytes(fn):
 
 # through groups; no prefix at all
 @pytest.mark.parametrize("micro, lengths", [(5, (3, 1, 5, 2)), (12, (1, 1, 1, 1))])
+@pytest.mark.same_math
 def test_recomputed_layers_give_the_same_logits_and_gradients(tiny, micro, lengths,
                                                               monkeypatch):
     """--gradient-checkpointing: each layer replayed in backward, its cache update
@@ -179,6 +182,7 @@ def test_recomputed_layers_give_the_same_logits_and_gradients(tiny, micro, lengt
         assert recomputed_saved < plain_saved / 2, (recomputed_saved, plain_saved)
 
 
+@pytest.mark.same_math
 def test_sliding_window_layers_share_the_prefix_and_refuse_recompute():
     """A sliding-window model (Mistral, window 4 < the sequences) keeps
     transformers' own cache layers: the same logits as whole sequences; its
@@ -214,6 +218,7 @@ def test_sliding_window_layers_share_the_prefix_and_refuse_recompute():
         recompute_layers(model)
 
 
+@pytest.mark.same_math
 def test_prefix_gradients_reach_grad_apart(tiny):
     """The prefix's backward runs apart from the completions' (fast.update.backward_apart):
     each weight's .grad is added to twice, once per forward, instead of autograd
@@ -252,6 +257,7 @@ def test_prefix_gradients_reach_grad_apart(tiny):
             assert_close_rel(got[k], grad, tol, msg=k)
 
 
+@pytest.mark.same_math
 def test_a_tied_head_gradient_reaches_grad_at_once(tiny):
     """The tied LM head's gradient is added to .grad as soon as it is computed
     (fast.update.tied_head_apart), so it is there before any embedding backward runs:
@@ -323,6 +329,7 @@ def test_the_prefix_graph_is_freed_after_its_backward(tiny, monkeypatch):
 
 # all, through groups, one completion; the layers recomputed in the backward
 @pytest.mark.parametrize("micro, recompute", [(12, False), (5, False), (1, False), (5, True)])
+@pytest.mark.same_math
 def test_fused_head_log_probs_and_gradients_match_the_logits(tiny, micro, recompute):
     """fast.update.completion_logps (the LM head and the log-prob fused, the tied
     head's gradient added to .grad in place, the MLPs and attention projections
@@ -370,6 +377,7 @@ def test_fused_head_log_probs_and_gradients_match_the_logits(tiny, micro, recomp
             assert_close_rel(got_grads[k], grad, tol, msg=k)
 
 
+@pytest.mark.same_math
 def test_rms_norm_by_hand_is_transformers_forward_with_its_gradients(tiny):
     """RMSNormFunction: the forward's bits of transformers' RMSNorm, and the
     gradients of x and the weight autograd's: in fp64 to FP64_TOL against

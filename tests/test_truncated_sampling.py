@@ -79,6 +79,7 @@ def naive_truncated_logps(logits, ids, temperature, top_k=0, top_p=1.0, min_p=0.
     dict(top_p=0.8), dict(top_k=5), dict(min_p=0.3),
     dict(top_k=12, top_p=0.7, min_p=0.1),
 ], ids=["top_p", "top_k", "min_p", "combination"])
+@pytest.mark.same_math
 def test_truncated_logps_value_and_gradient_match_a_plain_loop(filters):
     """selective_log_softmax(truncate_logits(...)) against naive_truncated_logps.
 
@@ -108,6 +109,7 @@ def test_no_filter_leaves_the_logits_as_they_are():
     assert truncate_logits(logits, ids, 0.7) is logits
 
 
+@pytest.mark.same_math
 def test_filtered_logits_give_finite_entropies():
     """FILTERED is finite: 0 * FILTERED is 0, and the entropy is the kept set's
     (to fp32 rounding: a sum over the 30 logits)."""
@@ -127,6 +129,7 @@ def test_filtered_logits_give_finite_entropies():
 
 # model.py's forward, and fast.install's (fast/update.py)
 @pytest.mark.parametrize("forward", [Forward(), fast_forward()], ids=["plain", "fast"])
+@pytest.mark.same_math
 def test_the_high_entropy_mask_ranks_by_the_truncated_entropy(tiny, forward):
     """batch.policy_entropies replays the filters as the loss does: with top-k 2
     no entropy exceeds ln 2, and each is the truncated logits' entropy: in fp64
@@ -213,6 +216,7 @@ def test_is_ratio_is_one_on_an_unchanged_policy(tiny, request, kind, knob):
 # the interpreter's warnings on the branches tl.where discards (tests/test_kernel.py)
 @pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 @pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.same_math
 def test_loss_paths_agree_on_truncated_logits(impl):
     """policy_loss on truncated logits: finite, and the kernel path's loss and
     gradient are the PyTorch path's (entropy bonus and KL on): either path in
