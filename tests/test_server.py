@@ -66,7 +66,8 @@ TEMPERATURE = 0.7
 # every code path), 7x above what is measured, and the suite passes with it on
 # this AVX-512 CPU as it is and under MKL_CBWR=SSE4_2 (MKL's SSE4.2 code path:
 # x86's narrowest). A stale weight is > 1e-2. (Under ATEN_CPU_CAPABILITY=default
-# the server's engine fails with a 500 on this machine: not tested there.)
+# the server's engine fails here, inductor's C++ build of a compiled graph
+# (CppCompileError): not tested there.)
 TOL = 1e-5
 # the longest a cold start may take on a loaded 2-core machine
 STARTUP_S = 240
