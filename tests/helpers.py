@@ -293,6 +293,25 @@ def summed_terms(config, tokens):
     return config.num_hidden_layers * layer + 2 * d + config.vocab_size + tokens
 
 
+def tiny_run_tol():
+    """fp32_tol of a train.py run's logged numbers on task.py's tiny Qwen2 (the
+    default model): summed_terms of its config at its 64 positions.
+
+    A run's first update is two orders of the same forward and backward. The
+    later ones follow AdamW's normalised steps, the same lr-sized move of every
+    weight whose gradient is above its rounding, so two runs of the same math
+    stay within this bound too (the tests that compare runs print the gaps
+    measured: pytest -s).
+    """
+    import torch
+
+    from task import build_tiny_model, build_tokenizer
+
+    with torch.random.fork_rng():  # build_tiny_model seeds the global generator
+        config = build_tiny_model(build_tokenizer()).config
+    return fp32_tol(summed_terms(config, config.max_position_embeddings))
+
+
 def assert_close_rel(got, want, rel, scale=None, msg=""):
     """|got - want| <= rel * scale everywhere; scale: want's largest magnitude
     by default (each entry's rounding follows the terms summed into it, at most
@@ -310,3 +329,19 @@ def assert_close_rel(got, want, rel, scale=None, msg=""):
     assert err <= rel * scale, (f"{msg}: differ by {err:.3g} > {rel:.3g} x {scale:.3g} "
                                 f"(= {rel * scale:.3g})")
     return err
+
+
+# Two runs' logged loss and KL, when they are the same math to fp32 rounding.
+# Not derived: both are means that cancel (the advantages over a group; exp(d) -
+# d - 1 against 1) to 1e-5..1e-3 here, below the worst-case bound of their fp32
+# terms of order 1 (tiny_run_tol, 3e-4), which would test nothing. The gaps
+# measured are 0 to 3e-8 (pytest -s), on this AVX-512 CPU as it is, under
+# MKL_CBWR=SSE4_2 and under ATEN_CPU_CAPABILITY=default: both runs take each
+# log-prob from the same weights through the same kernels but the one compared.
+RUN_LOSS_TOL = dict(rel=1e-5, abs=1e-6)
+
+
+def assert_run_loss_close(got, want, key):
+    """|got - want| <= RUN_LOSS_TOL's abs + rel x |want|."""
+    assert_close_rel(got, want, 1.0, scale=RUN_LOSS_TOL["abs"] + RUN_LOSS_TOL["rel"] * abs(want),
+                     msg=key)
