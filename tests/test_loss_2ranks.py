@@ -8,9 +8,9 @@ whatever each rank's token count. So are the logged loss, kl and entropy
 The batch-level masks too: the entropy quantile is over both ranks' tokens,
 truncated completions leave both ranks' normaliser, and the masks' metrics (a
 max among them) are the one process's. The same math in another order (gloo's
-all-reduce, the micro-batches' sums): the policy and the log-probs are fp64, and
-the gradients and metrics agree to FP64_TOL. This file is both the pytest test
-and the script it launches:
+all-reduce, the micro-batches' sums): the policy, the log-probs and the masks
+are fp64, and the gradients and metrics agree to FP64_TOL. This file is both the
+pytest test and the script it launches:
 
     python -m pytest -q tests/test_loss_2ranks.py
     torchrun --standalone --nproc_per_node 2 tests/test_loss_2ranks.py   # what it runs
@@ -51,9 +51,9 @@ def flat(x):
 def make_inputs(world):
     """The policy and every rank's completions, the same on every rank.
 
-    Rank r trains on [r] of each (W, n, ...) tensor. The policy, its inputs
-    and the log-probs in fp64 (the entropies, which only rank the tokens, and
-    the masks in fp32).
+    Rank r trains on [r] of each (W, n, ...) tensor. The policy, its inputs,
+    the log-probs and the masks (the metrics' token means) in fp64; the
+    entropies, which only rank the tokens, in fp32.
     """
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
@@ -65,7 +65,7 @@ def make_inputs(world):
     x.ids = torch.randint(V, (world, N, T), generator=g)  # (W, n, T)
     # rank 0 has 13 tokens, rank 1 has 6
     lengths = torch.tensor([[5, 1, 2, 5], [1, 1, 3, 1]])
-    x.mask = (torch.arange(T) < lengths.unsqueeze(-1)).float()  # (W, n, T)
+    x.mask = (torch.arange(T) < lengths.unsqueeze(-1)).double()  # (W, n, T)
     x.advantages = torch.randn(world, N, generator=g).double()  # (W, n)
     x.ref_logps = -3 + 0.5 * torch.randn(world, N, T, generator=g).double()  # (W, n, T)
 
