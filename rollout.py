@@ -5,9 +5,9 @@ Rollout: sample G completions per prompt from the policy, with the sampler's own
     where c = completion_ids[i, t], the token sampled at step t of completion i
 
 process: the repetition penalty, then min-p, top-k, top-p after the
-temperature (model.kept_tokens). This is what the trainer recomputes
-(model.selective_log_softmax, on model.truncate_logits' logits when a filter
-is on), but for the repetition penalty. Raw logprobs are not (trl#4159).
+temperature (sampling/truncation.py's kept_tokens). This is what the trainer
+recomputes (model.selective_log_softmax, on logits truncated by
+sampling/truncation.py when a filter is on), but for the repetition penalty. Raw logprobs are not (trl#4159).
 
 This file holds the Rollout, the engine interface (Engine), the plain HF decode
 loop (HFEngine) and make_engine. vLLM in the training process is
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from common import all_ranks_ok, private_rng, unwrap
-from model import kept_tokens, pad_id, sequence_batch, truncates
+from model import pad_id, sequence_batch, truncates
 
 
 @dataclass
@@ -109,8 +109,10 @@ def process_logits(logits, seen, temperature, top_p=1.0, top_k=0, min_p=0.0,
     scores = scores.div_(temperature)
 
     # min-p, top-k, top-p in vLLM's order: the trainer replays the same filter
-    # (model.truncate_logits)
+    # (sampling/truncation.py)
     if truncates(top_k, top_p, min_p):
+        from sampling.truncation import kept_tokens
+
         keep = kept_tokens(scores, top_k, top_p, min_p)  # (N, V)
         scores = scores.masked_fill(~keep, -torch.inf)
     return scores

@@ -110,7 +110,7 @@ def test_a_function_gets_the_extras_it_names_and_kw_gets_none():
         curriculum_reward, boxed_reward, plain_reward, judge, progress_reward,
         reward.get_soft_overlong_punishment(8, 2))}
 
-    # ours and a user's alike: **kw gets none (reward.py, simplification 6)
+    # ours and a user's alike: **kw gets none (reward.py, simplification 2)
     assert named[reward.accuracy_reward] == ()
     assert named[task.position_reward] == ()
     assert named[user_rewards.users_position_reward] == ()

@@ -15,7 +15,7 @@ and it awaits the `async def` ones together on one event loop (asyncio.gather), 
 sync ones.
 
 Rewards take one path, built-in or not: reward.score. A function gets the extras it
-names (reward.extras_named; reward.py's simplification 6). train.py makes a training
+names (reward.extras_named; reward.py's simplification 2). train.py makes a training
 and an evaluation RewardLogs (open_logs) only when some function names one, and passes
 them to reward.score, which asks begin() for each function's keywords and end() for the
 verdict on its log calls. A run whose functions name none never imports this file;
