@@ -251,32 +251,29 @@ def compute_rewards(funcs, prompts, completions, timeout=None, extras=None, /, *
     EXTRAS it names, reward_extras.RewardLogs.begin), or None.
     """
     N = len(completions)
-    rewards = torch.full((N, len(funcs)), math.nan)  # (N, F)
-
+    names = [getattr(fn, "__name__", repr(fn)) for fn in funcs]
+    values = {}  # f -> function f's N values
     waiting = []  # the async ones: (f, fn, name, keywords)
     for f, fn in enumerate(funcs):
-        name = getattr(fn, "__name__", repr(fn))
         kwargs = dict(prompts=prompts, completions=completions, **columns)
         if extras is not None:
             kwargs.update(extras[f])
         if is_async(fn):
-            waiting.append((f, fn, name, kwargs))
-            continue
-        values = _call(fn, name, timeout, kwargs)
-        _check_values(values, name, N, completions)
-        floats = [math.nan if v is None else float(v) for v in values]
-        rewards[:, f] = torch.tensor(floats)
+            waiting.append((f, fn, names[f], kwargs))
+        else:
+            values[f] = _call(fn, names[f], timeout, kwargs)
 
     if waiting:
         # here, not at the top: a run of sync functions starts no event loop
         from trl_compat.reward_extras import await_together
 
         results = await_together([call[1:] for call in waiting], timeout)
-        for (f, _, name, _), values in zip(waiting, results):
-            _check_values(values, name, N, completions)
-            rewards[:, f] = torch.tensor([math.nan if v is None else float(v)
-                                          for v in values])
+        values.update(zip([call[0] for call in waiting], results))
 
+    rewards = torch.full((N, len(funcs)), math.nan)  # (N, F)
+    for f, name in enumerate(names):
+        _check_values(values[f], name, N, completions)
+        rewards[:, f] = torch.tensor([math.nan if v is None else float(v) for v in values[f]])
     return rewards
 
 
@@ -310,22 +307,16 @@ def score(funcs, rows, rollout, conversational, timeout, reward_logs=None):
     stops every rank alike too).
     """
     columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
-    if hasattr(rollout, "tool_calls"):
-        # tools: each completion's calls, its environment's score
-        # (tools.ToolRollout)
-        columns["tool_calls"] = rollout.tool_calls
-        columns["environment_rewards"] = rollout.environment_rewards
+    # tools: each completion's calls, its environment's score (tools/multiturn.py)
+    columns.update(rollout.reward_columns())
 
     # (N,) every token: the policy's and, with --tools, the tool outputs'
     every = rollout.completion_mask + getattr(rollout, "tool_mask", 0)
     lengths = every.sum(1).int().tolist()
     ids = [c[:k] for c, k in zip(rollout.completion_ids.tolist(), lengths)]
     texts = rollout.texts
-    if conversational and hasattr(rollout, "messages"):
-        # the assistant and tool turns, as TRL gives them
-        texts = rollout.messages
-    elif conversational:
-        texts = [[{"role": "assistant", "content": t}] for t in rollout.texts]
+    if conversational:
+        texts = rollout.conversations()
 
     extras = None  # each function's extra keywords
     if reward_logs is not None:

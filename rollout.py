@@ -56,6 +56,16 @@ class Rollout:
     # (N,) completions decoded up to (excluding) EOS
     texts: list[str]
 
+    def reward_columns(self):
+        """What this rollout adds to the reward functions' columns (reward.score):
+        nothing here; the tools' ToolRollout adds its calls and environment rewards."""
+        return {}
+
+    def conversations(self):
+        """Each completion as the conversation a reward function gets for a chat
+        dataset: one assistant turn (the tools': their assistant and tool turns)."""
+        return [[{"role": "assistant", "content": text}] for text in self.texts]
+
 
 def build_rollout(prompt_ids, G, completions, logps, finished, pad_id, tokenizer):
     """Lists per completion -> a padded Rollout on CPU.
@@ -111,10 +121,9 @@ def process_logits(logits, seen, temperature, top_p=1.0, top_k=0, min_p=0.0,
     # min-p, top-k, top-p in vLLM's order: the trainer replays the same filter
     # (sampling/truncation.py)
     if truncates(top_k, top_p, min_p):
-        from sampling.truncation import kept_tokens
+        from sampling.truncation import filtered_scores
 
-        keep = kept_tokens(scores, top_k, top_p, min_p)  # (N, V)
-        scores = scores.masked_fill(~keep, -torch.inf)
+        scores = filtered_scores(scores, top_k, top_p, min_p)  # (N, V)
     return scores
 
 
@@ -212,14 +221,6 @@ def as_lists(tokens, logps, lengths, done):
     return completions, logps, done.tolist()
 
 
-def most_on_any_rank(value, device):
-    """The largest of an int across the ranks (FSDP2 ranks may ask for
-    different max_new_tokens, and all decode until the last one ends)."""
-    most = torch.tensor([value], device=device)
-    dist.all_reduce(most, op=dist.ReduceOp.MAX)
-    return int(most.item())
-
-
 class HFEngine(Engine):
     def __init__(self, model, tokenizer, *, seed=0, dtype="float32"):
         self.model = model
@@ -252,7 +253,9 @@ class HFEngine(Engine):
         synced = dist.is_initialized() and sharded
         steps = max_new_tokens
         agree = bool
-        if synced:
+        if synced:  # FSDP2 (scale/fsdp.py): every forward is a collective
+            from scale.fsdp import most_on_any_rank
+
             steps = most_on_any_rank(max_new_tokens, ids.device)
             agree = all_ranks_ok
 

@@ -439,8 +439,7 @@ def evaluate():
     # still end on the right number
     result = dict(eval_greedy=means[0], eval_greedy_truncated=means[1],
                   eval_sampled=means[2])
-    for k, p in zip(eval_k, means[3:]):
-        result[f"pass@{k}"] = p
+    result.update({f"pass@{k}": p for k, p in zip(eval_k, means[3:])})
     if eval_logs:  # its reward's log_metric values, as eval_NAME (a collective)
         result.update(eval_logs.step_metrics(result))
     return result

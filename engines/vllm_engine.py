@@ -164,13 +164,10 @@ class VLLMEngine(Engine):
             raise ValueError("tensor_parallel_size > 1 needs torchrun "
                              "(one shard per rank, external_launcher)")
 
-        # every rank creates every group, then keeps its own
-        if distributed and tensor_parallel_size > 1:
-            tp = tensor_parallel_size
-            firsts = range(0, dist.get_world_size(), tp)
-            groups = [dist.new_group(list(range(g, g + tp))) for g in firsts]
-            self.tp_group = groups[dist.get_rank() // tp]
-            self.tp_rank = dist.get_rank() % tp
+        if distributed and tensor_parallel_size > 1:  # --vllm-tp (scale/tensor_parallel.py)
+            from scale.tensor_parallel import tensor_parallel_group
+
+            self.tp_group, self.tp_rank = tensor_parallel_group(tensor_parallel_size)
 
         if distributed:
             llm_kwargs["distributed_executor_backend"] = "external_launcher"

@@ -64,6 +64,12 @@ def kept_tokens(scores, top_k=0, top_p=1.0, min_p=0.0):
     return keep
 
 
+def filtered_scores(scores, top_k=0, top_p=1.0, min_p=0.0):
+    """The HF engine's filter (rollout.process_logits): (n, V) scores, -inf
+    outside the kept set."""
+    return scores.masked_fill(~kept_tokens(scores, top_k, top_p, min_p), -torch.inf)
+
+
 def truncate_logits(logits, ids, temperature, top_k=0, top_p=1.0, min_p=0.0):
     """The sampler's kept set, replayed on the trainer's logits (see the top).
 

@@ -70,6 +70,14 @@ class ToolRollout(Rollout):
     # (N,) per completion: (environment class, get_reward's value), or None
     environment_rewards: list
 
+    def reward_columns(self):
+        """Each completion's calls, and its environment's score (reward.score)."""
+        return dict(tool_calls=self.tool_calls, environment_rewards=self.environment_rewards)
+
+    def conversations(self):
+        """The assistant and tool turns, as TRL gives them."""
+        return self.messages
+
 
 def unpad(rollout):
     """A Rollout -> per row (token ids, sampling logprobs, EOS reached), without
