@@ -21,7 +21,8 @@ serves on, and the next sync repairs it), a hung server, a restarted one (its
 version is not the trainer's: simulated by resetting it as a fresh server
 reports it); a server without dev mode, the worker extension or processed
 log-probs (FakeServer replays vLLM's replies: a real one would cost a start
-each). 2 trainer ranks (torchrun, gloo) whose requests vLLM
+each). The key on every route: engines.worker_extension.RequireKey alone,
+in-process (a server with no key, a websocket). 2 trainer ranks (torchrun, gloo) whose requests vLLM
 runs in one batch (its /metrics: vllm:num_requests_running) and that sync under
 DDP and FSDP2; and train.py end to end on 2 ranks. A server killed mid-run and
 restarted: tests/test_async.py. The GPU path (vLLM's NCCL weight transfer) needs
@@ -33,6 +34,7 @@ This file is both the pytest test and the 2-rank script it launches:
     # what test_two_ranks runs
     torchrun --standalone --nproc_per_node 2 tests/test_server.py URL MODEL_DIR
 """
+import asyncio
 import contextlib
 import copy
 import io
@@ -45,6 +47,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.request
 
 import pytest
@@ -445,6 +448,46 @@ def test_refused_misstarted_server(server, tiny):
             one_line_error(lambda: RemoteEngine(fake.url, tiny[2], wait_s=0), match)
         finally:
             fake.close()
+
+
+def test_middleware_alone(monkeypatch):
+    """engines.worker_extension.RequireKey as vLLM mounts it, on a stand-in
+    app: the keys of --api-key (any of them), else VLLM_API_KEY; a server with
+    neither refuses all but /health, and says how to fix it; a websocket
+    without the key is closed before it opens."""
+    from engines.worker_extension import RequireKey
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    def call(path, header=None, api_key=None, kind="http"):
+        """-> (status or the websocket's close code, body)."""
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        args = types.SimpleNamespace(api_key=api_key)
+        scope = dict(type=kind, path=path, app=types.SimpleNamespace(
+                     state=types.SimpleNamespace(args=args)),
+                     headers=[(b"authorization", header.encode())] if header else [])
+        asyncio.run(RequireKey(app)(scope, None, send))
+        return sent[0].get("status", sent[0].get("code")), sent[-1].get("body")
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    keys = ["A", "B"]
+    assert call("/health") == (200, b"ok")
+    assert call("/pause", "Bearer B", keys) == call("/x", "bearer A", keys) == (200, b"ok")
+    for header in (None, "Bearer C", "Bearer", "Basic A", "Bearer A "):
+        assert call("/collective_rpc", header, keys) == (401, b'{"error": "Unauthorized"}')
+    assert call("/ws", kind="websocket", api_key=keys) == (1008, None)
+
+    status, body = call("/collective_rpc", "Bearer ")
+    assert status == 401 and b"this server has no key" in body and b"--api-key KEY" in body
+    monkeypatch.setenv("VLLM_API_KEY", "E")
+    assert call("/collective_rpc", "Bearer E") == (200, b"ok")
+    assert call("/collective_rpc", "Bearer E", ["A"])[0] == 401
 
 
 def test_refused_weight_update_loses_nothing(server, tiny):
