@@ -30,9 +30,10 @@ weight update (the server serves on, and the next sync repairs it), a hung
 server, a restarted one (its version is not the trainer's: simulated by
 resetting it as a fresh server reports it); a server without the middleware,
 dev mode, the worker extension or processed log-probs (FakeServer replays
-vLLM's replies: a real one would cost a start each). 2 trainer ranks (torchrun, gloo) whose requests vLLM
-runs in one batch (its /metrics: vllm:num_requests_running) and that sync under
-DDP and FSDP2; and train.py end to end on 2 ranks. A server killed mid-run and
+vLLM's replies: a real one would cost a start each). 2 trainer ranks
+(torchrun, gloo) whose requests vLLM runs in one batch (its /metrics:
+vllm:num_requests_running) and that sync under DDP and FSDP2; and train.py end
+to end on 2 ranks, over https with the key. A server killed mid-run and
 restarted: tests/test_async.py. The GPU path (vLLM's NCCL weight transfer) needs
 CUDA on both sides: not tested here.
 
