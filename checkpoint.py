@@ -75,7 +75,8 @@ def run_config(args, world):
     """
     skip = ("steps", "eval_every", "eval_size", "save_every", "keep_last", "resume",
             "out_dir", "wandb", "report_to", "project", "threads", "engine", "vllm_memory",
-            "vllm_url", "vllm_api_key", "loss_impl", "micro_batch_size", "reward_timeout",
+            "vllm_url", "vllm_api_key", "vllm_ca_cert", "allow_plain_http",
+            "allow_open_dev_routes", "loss_impl", "micro_batch_size", "reward_timeout",
             "eval_reward", "eval_samples", "eval_k", "log_completions",
             # a resume may lower it: the batches now too stale are dropped (staleness.py)
             "max_staleness")

@@ -160,6 +160,15 @@ add("--vllm-url", default=None,
     help="server mode: http://HOST:PORT of vLLM's own server (server.py: how to start it)")
 add("--vllm-api-key", default=None, metavar="KEY",
     help="server mode: the server's --api-key (sent as Authorization: Bearer KEY)")
+add("--vllm-ca-cert", default=None, metavar="FILE",
+    help="server mode: trust an https server whose certificate this PEM file signed "
+    "(a self-signed one: its --ssl-certfile)")
+add("--allow-plain-http", action="store_true",
+    help="server mode: send --vllm-api-key over plain http to another host (a private "
+    "network); without it, https or this machine's loopback only")
+add("--allow-open-dev-routes", action="store_true",
+    help="server mode: accept a loopback test server whose dev routes answer without "
+    "the key (started without --middleware engines.worker_extension.RequireKey)")
 add("--async", dest="async_", action="store_true",
     help="server mode: sample the next batch during this update (--max-staleness 1)")
 add("--max-staleness", type=number(int, 0), default=None, metavar="N",
@@ -532,6 +541,9 @@ DEPENDS_ON = {
     "lora_targets": (lambda a: a.lora_rank > 0, "--lora-rank R"),
     "vllm_url": (lambda a: a.vllm_mode == "server", "--vllm-mode server"),
     "vllm_api_key": (lambda a: a.vllm_mode == "server", "--vllm-mode server"),
+    "vllm_ca_cert": (lambda a: a.vllm_mode == "server", "--vllm-mode server"),
+    "allow_plain_http": (lambda a: a.vllm_mode == "server", "--vllm-mode server"),
+    "allow_open_dev_routes": (lambda a: a.vllm_mode == "server", "--vllm-mode server"),
     "max_staleness": (lambda a: a.vllm_mode == "server", "--vllm-mode server"),
     "partial_rollouts": (lambda a: a.max_staleness or a.async_,
                          "--max-staleness N >= 1 (or --async)"),
@@ -711,6 +723,8 @@ def check_flags(args):
          "in --dtype and small adapters fit one GPU per rank under DDP)"),
         (args.vllm_mode == "colocate" or args.vllm_url,
          "--vllm-mode server needs --vllm-url http://HOST:PORT"),
+        (args.vllm_ca_cert is None or os.path.isfile(args.vllm_ca_cert),
+         f"--vllm-ca-cert {args.vllm_ca_cert}: no such file"),
         (not args.async_ or args.vllm_mode == "server",
          "--async overlaps a rollout server's generation with the update: add "
          "--vllm-mode server --vllm-url http://HOST:PORT (a colocated engine "

@@ -261,11 +261,11 @@ row_tokens = max(map(len, train_ids + eval_ids)) + args.max_new_tokens
 
 engine_kind, engine_why = pick_engine(args.engine, raw_model, args.vllm_tp)
 if args.vllm_mode == "server":  # a rollout server on other machines (server.py)
-    from engines.server import RemoteEngine
+    from engines.server import Access, RemoteEngine
 
     # it waits for the server, then checks it serves this model and these rows
     engine = RemoteEngine(args.vllm_url, tokenizer, seed=args.seed + rank,
-                          api_key=args.vllm_api_key, model_config=raw_model.config,
+                          access=Access.from_args(args), model_config=raw_model.config,
                           max_len=row_tokens, partial_rollouts=args.partial_rollouts)
     engine_why = "--vllm-mode server"
 else:

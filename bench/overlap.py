@@ -59,10 +59,13 @@ RUNS = ("sync", "staleness 2", "colocated")
 PORT = 8791
 # the KV cache of the server: 1 GiB holds 8 GiB / (2 x 30 layers x 576 x 4 bytes)
 # = 60,000 tokens of SmolLM2-135M, 40 times a step's rows
+KEY = "bench-key"
+# every route behind the key (README: Server mode); on loopback, plain http
 SERVER_FLAGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
                 "--kv-cache-memory-bytes", str(1 << 30), "--no-enable-chunked-prefill",
                 "--logprobs-mode", "processed_logprobs",
                 "--worker-extension-cls", "engines.worker_extension.WeightSync",
+                "--middleware", "engines.worker_extension.RequireKey", "--api-key", KEY,
                 "--uvicorn-log-level", "warning"]
 STARTUP_S = 300
 
@@ -123,7 +126,7 @@ def train(run, seed, model, dataset, steps, eval_every, work, tiny, frozen=False
     cmd += ["--threads", str(threads)]
     if run != "colocated":
         cmd = ["taskset", "-c", "1", *cmd, "--vllm-mode", "server",
-               "--vllm-url", f"http://127.0.0.1:{PORT}"]
+               "--vllm-url", f"http://127.0.0.1:{PORT}", "--vllm-api-key", KEY]
     if run == "staleness 2":
         cmd += ["--max-staleness", "2"]
 
@@ -324,6 +327,9 @@ def train_two_ranks(tree_dir, name, model, dataset, steps, work, tiny):
            "--eval-size", str(NUM_EVAL), "--steps", str(steps), "--save-every",
            str(10 * steps), "--threads", "1", "--out-dir", out, *flags,
            "--vllm-mode", "server", "--vllm-url", f"http://127.0.0.1:{PORT}"]
+    if tree_dir == ROOT:
+        # vLLM's server, behind the key (OLD_TREE's own server has none)
+        cmd += ["--vllm-api-key", KEY]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(out + ".log", "w") as log:
         code = subprocess.run(cmd, cwd=tree_dir, env=env, stdout=log,

@@ -8,9 +8,18 @@ the server runs on other cores, GPUs or nodes. The lines (README: Server mode):
            --model DIR --dtype float32 --enforce-eager --max-model-len 2048 \\
            --kv-cache-memory-bytes 1073741824 --logprobs-mode processed_logprobs \\
            --no-enable-chunked-prefill \\
-           --worker-extension-cls engines.worker_extension.WeightSync --port 8000 --api-key KEY
+           --worker-extension-cls engines.worker_extension.WeightSync \\
+           --middleware engines.worker_extension.RequireKey --api-key KEY \\
+           --ssl-keyfile key.pem --ssl-certfile cert.pem --port 8000
     B$ python train.py --model DIR --vllm-mode server \\
-           --vllm-url http://127.0.0.1:8000 --vllm-api-key KEY
+           --vllm-url https://127.0.0.1:8000 --vllm-api-key KEY --vllm-ca-cert cert.pem
+
+A self-signed certificate for the server's address (another host: its IP, or
+DNS:name, in subjectAltName):
+
+    openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \\
+        -days 365 -subj /CN=tinygrpo -addext subjectAltName=IP:127.0.0.1 \\
+        -keyout key.pem -out cert.pem
 
 On CPU, cap the KV cache (--kv-cache-memory-bytes): vLLM's CPU default
 reserves about 90% of RAM, which the pages the prefix cache fills then take
@@ -29,16 +38,31 @@ What it uses of the server:
   engines.worker_extension.WeightSync's methods in the server's workers;
   /reset_prefix_cache; and vLLM's RL API (/update_weight_version,
   /weight_info, and the NCCL weight transfer's /init_weight_transfer_engine ...
-  /finish_weight_update). These routes are NOT behind --api-key (vLLM guards
-  /v1 only): a trusted network.
+  /finish_weight_update). vLLM's --api-key guards none of these: the
+  middleware does (The key, below).
+
+The key (Access): every request carries it, and every route but /health wants
+it: the server's --middleware engines.worker_extension.RequireKey (vLLM's
+--api-key alone leaves /collective_rpc open, which loads any weights file into
+the served model). The start-up check asks GET /collective_rpc without the
+key: 401 is the middleware; vLLM's 405 (a POST route) is an open route,
+refused unless --allow-open-dev-routes (a loopback test server). The key
+travels in TLS (vLLM's --ssl-keyfile, --ssl-certfile; https://, with
+--vllm-ca-cert for a self-signed certificate), or in the clear to this
+machine's loopback (127.0.0.0/8, ::1, localhost), or, with --allow-plain-http,
+across a network its owner calls private. Not covered: the NCCL weight
+transfer's rendezvous (trainer rank 0's TCP store and NCCL's own sockets) is
+not HTTP and carries no key: keep those ports closed to all but the run's
+nodes.
 
 Faults end the run in one line (a ConnectionError, common.one_line_errors), and
 lose nothing: every sync sends all the weights, the trainer sends them at
 start-up too, so a resume from the last checkpoint works against a restarted
 server. The one-line faults: no server within wait_s (progress shown), a wrong
-key, another model or tokenizer, a server without dev mode or the extension,
-a refused weight update, a server that died, hung or restarted (its weight
-version is no longer the trainer's).
+key, a key bound for plain http to another host, an untrusted certificate,
+dev routes that answer without the key, another model or tokenizer, a server
+without dev mode or the extension, a refused weight update, a server that
+died, hung or restarted (its weight version is no longer the trainer's).
 
 Tests: python -m pytest -q tests/test_server.py tests/test_async.py tests/test_partial.py
 
@@ -78,12 +102,15 @@ Simplifications:
    tokens a sync splits depends on timing: such runs do not repeat bit for
    bit.
 """
+
 import http.client
+import ipaddress
 import itertools
 import json
 import os
 import shutil
 import socket
+import ssl
 import tempfile
 import threading
 import time
@@ -114,6 +141,7 @@ CONFIG_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
                  "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                  "tie_word_embeddings")
 EXTENSION = "engines.worker_extension.WeightSync"
+MIDDLEWARE = "engines.worker_extension.RequireKey"
 RESTART = "restart it and resume training from the last checkpoint"
 
 
@@ -178,6 +206,78 @@ def error_message(body):
     return error
 
 
+@dataclass(frozen=True)
+class Access:
+    """How the trainer reaches the server (engines/server.py: The key), from
+    train.py's flags: the key it sends on every request (--vllm-api-key),
+    the certificate an https server's must chain to (--vllm-ca-cert, a PEM
+    file; None: the system's), and what it accepts on a network its owner
+    trusts (--allow-plain-http, --allow-open-dev-routes)."""
+    api_key: str = None
+    ca_cert: str = None
+    allow_plain_http: bool = False
+    allow_open_dev_routes: bool = False
+
+    @classmethod
+    def from_args(cls, args):
+        return cls(args.vllm_api_key, args.vllm_ca_cert, args.allow_plain_http,
+                   args.allow_open_dev_routes)
+
+
+def is_loopback(host):
+    """Is host this machine's loopback (127.0.0.0/8, ::1, localhost), where
+    what is sent never leaves the machine? Any other name may resolve
+    elsewhere: not loopback."""
+    if host == "localhost":
+        return True
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_url(url, access):
+    """Refuse (ConnectionError, one line), before a byte is sent, a url that
+    would carry the key in the clear beyond this machine, or an allowance
+    that does not fit it (engines/server.py: The key)."""
+    parts = urllib.parse.urlparse(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConnectionError(f"--vllm-url {url}: give https://HOST:PORT (or "
+                              f"http://127.0.0.1:PORT for a server on this machine)")
+    local = is_loopback(parts.hostname)
+
+    if access.ca_cert and parts.scheme != "https":
+        raise ConnectionError(f"--vllm-ca-cert trusts an https server's certificate, and "
+                              f"--vllm-url {url} is plain http: give https://")
+    in_clear = parts.scheme == "http" and access.api_key
+    if in_clear and not (local or access.allow_plain_http):
+        raise ConnectionError(f"--vllm-url {url} would send --vllm-api-key in the clear "
+                              f"to another host: start the server with --ssl-keyfile "
+                              f"and --ssl-certfile and give https:// (--vllm-ca-cert "
+                              f"FILE for a self-signed certificate), or add "
+                              f"--allow-plain-http on a private network")
+
+    if access.allow_open_dev_routes and not local:
+        raise ConnectionError(f"--allow-open-dev-routes is for a test server on this "
+                              f"machine's loopback, and --vllm-url {url} is not: start "
+                              f"the server with --middleware {MIDDLEWARE} and drop the "
+                              f"flag")
+
+
+def tls_context(url, access):
+    """The TLS settings of an https url (None for http): the certificate and
+    the host name checked, against --vllm-ca-cert alone where given."""
+    if urllib.parse.urlparse(url).scheme != "https":
+        return None
+    try:
+        return ssl.create_default_context(cafile=access.ca_cert)
+    except OSError as e:
+        raise ConnectionError(f"--vllm-ca-cert {access.ca_cert}: cannot load it "
+                              f"({one_line(e, 200)}): give the server's certificate "
+                              f"(PEM)") from None
+
+
 @dataclass
 class VersionedRollout(Rollout):
     # (N, T) long: the weights version that sampled each token, -1 past the end
@@ -186,15 +286,16 @@ class VersionedRollout(Rollout):
 
 
 class RemoteEngine(Engine):
-    def __init__(self, url, tokenizer, *, seed=0, api_key=None, model_config=None,
+    def __init__(self, url, tokenizer, *, seed=0, access=Access(), model_config=None,
                  max_len=None, timeout=600.0, wait_s=600.0, snapshot_dir=None,
                  weight_transfer="auto", nccl_port=None, partial_rollouts=False):
-        """The client of vLLM's server at url (http://host:port).
+        """The client of vLLM's server at url (https://host:port, or http://).
 
-        Waits up to wait_s for it to come up, then checks that it serves the
-        model of model_config (a transformers config; None: no check) with
-        this tokenizer, rows of max_len tokens (None: no check) and the
-        sampler's log-probs. timeout (s): the longest a request may take.
+        access: the key and what the transport may be (Access). Waits up to
+        wait_s for it to come up, then checks that its routes want the key, and
+        that it serves the model of model_config (a transformers config; None:
+        no check) with this tokenizer, rows of max_len tokens (None: no check)
+        and the sampler's log-probs. timeout (s): the longest a request may take.
         weight_transfer: "file" (CPU, engines/server.py, simplification 1), "nccl" (GPUs: a server
         started with the nccl backend) or "auto" (nccl when both sides can).
         snapshot_dir: where rank 0 writes the weights' file (default: a new
@@ -203,11 +304,13 @@ class RemoteEngine(Engine):
         replies name the weights version of each token (engines/server.py, simplification 6). A
         fault raises ConnectionError, in one line.
         """
+        check_url(url, access)
         self.url = url.rstrip("/")
         self.tokenizer = tokenizer
         self.seed = seed
         self.pad_id = pad_id(tokenizer)
-        self.api_key = api_key
+        self.access = access
+        self.tls = tls_context(url, access)
         self.timeout = timeout
         # the version the last sync named
         self.version = None
@@ -223,6 +326,7 @@ class RemoteEngine(Engine):
         self.staged = None
 
         self.wait_until_up(wait_s)
+        self.check_routes_want_the_key()
         self.model_name, self.info = self.check_server(model_config, max_len)
         if partial_rollouts:
             self.check_generate_route()
@@ -241,29 +345,37 @@ class RemoteEngine(Engine):
     # -------------------------------------------------------------------------
     # HTTP
 
-    def request(self, path, payload=None, timeout=None):
+    def request(self, path, payload=None, timeout=None, key=True):
         """GET path (no payload), or POST a JSON payload -> the server's JSON
-        reply (None if empty).
+        reply (None if empty). key=False: without the key (the start-up
+        check's probe).
 
-        ConnectionError when the server does not answer, refuses the key, or
-        fails (5xx); RuntimeError when it rejects the request (other 4xx).
+        ConnectionError when the server does not answer, refuses the key or the
+        TLS handshake, or fails (5xx); RuntimeError when it rejects the request
+        (other 4xx). A refusal's status is e.status.
         """
         body = None if payload is None else json.dumps(payload).encode()
         headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
+        if key and self.access.api_key:
+            headers["Authorization"] = f"Bearer {self.access.api_key}"
         request = urllib.request.Request(self.url + path, data=body, headers=headers)
 
         try:
-            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as reply:
+            with urllib.request.urlopen(request, timeout=timeout or self.timeout,
+                                        context=self.tls) as reply:
                 data = reply.read()
         except urllib.error.HTTPError as e:
             message = one_line(error_message(e.read().decode(errors="replace")))
             if e.code == 401:
-                key = "--vllm-api-key KEY" if self.api_key else "no --vllm-api-key"
-                raise ConnectionError(f"rollout server {self.url} refused the API key "
-                                      f"({key}): give its --api-key as --vllm-api-key "
-                                      f"({path}: {e.code} {message})") from None
+                given = "no --vllm-api-key"
+                if self.access.api_key:
+                    given = "--vllm-api-key KEY"
+
+                refused = ConnectionError(f"rollout server {self.url} refused the API "
+                                          f"key ({given}): give its --api-key as "
+                                          f"--vllm-api-key ({path}: {e.code} {message})")
+                refused.status = e.code
+                raise refused from None
             if e.code >= 500:
                 failed = ConnectionError(f"rollout server {self.url}{path} failed "
                                          f"({e.code}: {message}); {RESTART}")
@@ -274,13 +386,44 @@ class RemoteEngine(Engine):
             rejected.status = e.code
             raise rejected from None
         except (OSError, http.client.HTTPException) as e:
+            if isinstance(getattr(e, "reason", e), ssl.SSLError):
+                raise self.tls_refused(getattr(e, "reason", e)) from None
+
+            # what a server with --ssl-certfile does to a plain http request
+            hint = ""
+            if isinstance(e, http.client.RemoteDisconnected) and self.tls is None:
+                hint = " (A server started with --ssl-certfile answers https:// only.)"
             # refused, reset, timed out: the server is gone or hung
             raise ConnectionError(f"rollout server {self.url} did not answer {path} "
                                   f"({one_line(e, 200)}). Is vLLM's server running there "
                                   f"and reachable from this node? Restart it (same "
                                   f"--model) and resume training from the last "
-                                  f"checkpoint.") from None
+                                  f"checkpoint.{hint}") from None
         return json.loads(data) if data else None
+
+    def tls_refused(self, error):
+        """A failed TLS handshake (an ssl.SSLError) -> its ConnectionError,
+        which waiting does not cure (e.permanent: wait_until_up stops)."""
+        server = f"rollout server {self.url}"
+
+        # OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH, X509_V_ERR_IP_ADDRESS_MISMATCH
+        if getattr(error, "verify_code", None) in (62, 64):
+            refused = ConnectionError(f"{server}: its certificate is not for this host "
+                                      f"({error.verify_message}): give --vllm-url a name "
+                                      f"or address that its subjectAltName holds")
+        elif isinstance(error, ssl.SSLCertVerificationError):
+            refused = ConnectionError(f"{server}: its certificate is not trusted "
+                                      f"({error.verify_message}): give the certificate "
+                                      f"that signed it as --vllm-ca-cert FILE (its "
+                                      f"--ssl-certfile, if self-signed)")
+        else:
+            refused = ConnectionError(f"{server} failed the TLS handshake "
+                                      f"({one_line(error, 200)}): is it started with "
+                                      f"--ssl-keyfile and --ssl-certfile? (Without them "
+                                      f"it serves http://)")
+
+        refused.permanent = True
+        return refused
 
     def rpc(self, method, *args):
         """engines.worker_extension.WeightSync.method(*args) in every server worker ->
@@ -305,15 +448,43 @@ class RemoteEngine(Engine):
                 return self.request("/health", timeout=10)
             except RuntimeError as e:
                 raise ConnectionError(f"{self.url} is not vLLM's server? ({e})") from None
-            except ConnectionError:
+            except ConnectionError as e:
                 waited = time.monotonic() - start
-                if waited >= wait_s:
+                if waited >= wait_s or getattr(e, "permanent", False):
                     raise
                 if waited - said >= every_s:
                     print0(f"waiting for the rollout server at {self.url} "
                            f"({waited:.0f} s of at most {wait_s:.0f} s)")
                     said = waited
                 time.sleep(min(1.0, wait_s - waited))
+
+    def check_routes_want_the_key(self):
+        """Refuse (one line) a server whose dev routes answer without the key
+        (engines/server.py: The key), unless --allow-open-dev-routes.
+        The probe, GET /collective_rpc without the key, runs nothing (a POST
+        route): 401 is the key's middleware, 404 no dev mode (check_server
+        says so), anything else the route itself."""
+        try:
+            self.request("/collective_rpc", timeout=10, key=False)
+            status = 200
+        except (ConnectionError, RuntimeError) as e:
+            status = getattr(e, "status", None)
+            if status is None:
+                raise
+
+        if status in (401, 404):
+            return
+
+        if self.access.allow_open_dev_routes:
+            print0(f"warning: rollout server {self.url} runs /collective_rpc for anyone "
+                   f"(--allow-open-dev-routes)")
+            return
+        raise ConnectionError(f"rollout server {self.url} answers its dev routes "
+                              f"without the key (GET /collective_rpc: {status}, not "
+                              f"401), and /collective_rpc loads any weights file into "
+                              f"the served model: start it with --middleware "
+                              f"{MIDDLEWARE} and --api-key KEY (--allow-open-dev-routes "
+                              f"accepts a loopback test server)")
 
     def check_server(self, model_config, max_len):
         """The start-up check -> (the served model's name, the worker's info).
@@ -690,7 +861,7 @@ class RemoteEngine(Engine):
         if self.nccl is None:
             # once: one NCCL group of trainer rank 0 and every server worker
             url = urllib.parse.urlparse(self.url)
-            server_address = (url.hostname, url.port or 80)
+            server_address = (url.hostname, url.port or (443 if self.tls else 80))
             with socket.create_connection(server_address, timeout=10) as s:
                 # this node's address on the route to the server
                 address = s.getsockname()[0]

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from helpers import ENGINE_TOL, ROOT, read_metrics, run_train, script_cmd, without_timings
 from test_resume import start_and_kill
-from test_server import API_KEY, shared_server
+from test_server import shared_server
 
 # one worker starts the session's server (--dist loadgroup): test_server.py's group
 pytestmark = pytest.mark.xdist_group("vllm_server")
@@ -35,8 +35,8 @@ def server(request, tiny):
 
 
 def async_args(tiny, server, steps=STEPS):
-    return ["--model", tiny[0], "--vllm-mode", "server", "--vllm-url", server.url,
-            "--vllm-api-key", API_KEY, "--async", "--lr", "3e-4", "--steps", str(steps),
+    return ["--model", tiny[0], "--vllm-mode", "server", *server.flags,
+            "--async", "--lr", "3e-4", "--steps", str(steps),
             "--save-every", "2", "--eval-every", "3", "--eval-size", "16",
             "--prompts-per-step", "8", "--max-prompt-len", "16"]
 

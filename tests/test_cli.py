@@ -189,6 +189,9 @@ RULE_CASES = {
     "overlong buffer > max new tokens":
         (["--max-new-tokens", "8", "--overlong-buffer", "9"],
          "--overlong-buffer 9 is longer than --max-new-tokens 8"),
+    "no CA certificate file":
+        (["--vllm-mode", "server", "--vllm-url", "https://10.0.0.1:1", "--vllm-ca-cert",
+          "/no/cert.pem"], "--vllm-ca-cert /no/cert.pem: no such file"),
 }
 
 
@@ -216,6 +219,9 @@ DEPENDENT_CASES = {
     "--lora-targets": (["--lora-targets", "q_proj"], "--lora-rank R"),
     "--vllm-url": (["--vllm-url", "http://127.0.0.1:1"], "--vllm-mode server"),
     "--vllm-api-key": (["--vllm-api-key", "KEY"], "--vllm-mode server"),
+    "--vllm-ca-cert": (["--vllm-ca-cert", __file__], "--vllm-mode server"),
+    "--allow-plain-http": (["--allow-plain-http"], "--vllm-mode server"),
+    "--allow-open-dev-routes": (["--allow-open-dev-routes"], "--vllm-mode server"),
     "--max-staleness": (["--max-staleness", "0"], "--vllm-mode server"),
     "--vllm-memory with --engine hf":
         (["--engine", "hf", "--vllm-memory", "0.5"], "colocated vLLM"),
@@ -239,7 +245,7 @@ def test_a_dependent_flag_alone_is_refused(name, parser, capsys):
         check_flags(args)
 
     out = capsys.readouterr().out
-    flag = argv[-2]
+    flag = name.split()[0]
     assert e.value.code == 2 and out.count("\n") == 1, out
     assert out.startswith(f"error: {flag} does nothing without ") and needs in out, out
 
@@ -247,6 +253,7 @@ def test_a_dependent_flag_alone_is_refused(name, parser, capsys):
 def test_every_dependent_flag_is_accepted_with_the_flag_it_needs(parser):
     argv = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.1",
             "--vllm-mode", "server", "--vllm-url", "http://127.0.0.1:1",
+            "--vllm-ca-cert", __file__, "--allow-plain-http", "--allow-open-dev-routes",
             "--dataset", "x.jsonl", "--split", "train[:10]", "--system-prompt", "S"]
     args = parser.parse_args(argv)
 

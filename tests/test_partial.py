@@ -89,7 +89,7 @@ def test_a_sync_mid_generation_splits_completions(server, tiny):
         thread.start()
         # the sync lands once the requests run
         deadline = time.time() + 30
-        while requests_running(server.url) == 0 and time.time() < deadline:
+        while requests_running(server.url, server.cert) == 0 and time.time() < deadline:
             time.sleep(0.005)
         time.sleep(0.05)
         synced = engine.sync_weights(new, keep_in_flight=True)

@@ -1,7 +1,11 @@
 """Server mode on vLLM's own server, on CPU: server.RemoteEngine against a real
 `python -m vllm.entrypoints.openai.api_server` (vLLM's own entry point) on
-loopback, with --api-key, dev mode and engines.worker_extension.WeightSync, serving the
-tiny tied-embedding Qwen2 (head_dim 32).
+loopback, started with the README's lines: --api-key, the key on every route
+(--middleware engines.worker_extension.RequireKey), TLS (--ssl-keyfile,
+--ssl-certfile: a self-signed certificate made here as the README makes it),
+dev mode and engines.worker_extension.WeightSync, serving the tiny
+tied-embedding Qwen2 (head_dim 32). Every request of the suite's goes over
+https.
 
 One server per test session: its start-up (~25-40 s) is paid once. The first
 module that asks starts it (shared_server; tests/test_async.py,
@@ -15,15 +19,21 @@ vLLM engine's; sampled log-probs (temperature, top-k) equal the trainer's
 recomputation to TOL in fp32 (measured: ~5e-7, ~1.5e-6 after a sync); the
 client's seed picks the stream; after a sync the server's log-probs are the new
 weights' and its version is the sync's; a LoRA policy's sync sends its merged
-adapted layers only. Faults, each one line: a wrong or missing key, another
-model, another tokenizer, rows too short, a refused weight update (the server
-serves on, and the next sync repairs it), a hung server, a restarted one (its
-version is not the trainer's: simulated by resetting it as a fresh server
-reports it); a server without dev mode, the worker extension or processed
-log-probs (FakeServer replays vLLM's replies: a real one would cost a start
-each). 2 trainer ranks (torchrun, gloo) whose requests vLLM
-runs in one batch (its /metrics: vllm:num_requests_running) and that sync under
-DDP and FSDP2; and train.py end to end on 2 ranks. A server killed mid-run and
+adapted layers only. The key: /collective_rpc (a weights file to load),
+/pause and /reset_prefix_cache without it or with a wrong one answer 401 and
+change nothing (a log-prob probe before and after); /health answers without
+it; the middleware alone, in-process (no key on the server, a websocket).
+Faults, each one line: a wrong or missing key, an untrusted certificate (at
+once, not after the wait), the key over plain http to another host (before
+any connection), another model, another tokenizer, rows too short, a refused
+weight update (the server serves on, and the next sync repairs it), a hung
+server, a restarted one (its version is not the trainer's: simulated by
+resetting it as a fresh server reports it); a server without the middleware,
+dev mode, the worker extension or processed log-probs (FakeServer replays
+vLLM's replies: a real one would cost a start each). 2 trainer ranks
+(torchrun, gloo) whose requests vLLM runs in one batch (its /metrics:
+vllm:num_requests_running) and that sync under DDP and FSDP2; and train.py end
+to end on 2 ranks, over https with the key. A server killed mid-run and
 restarted: tests/test_async.py. The GPU path (vLLM's NCCL weight transfer) needs
 CUDA on both sides: not tested here.
 
@@ -31,20 +41,26 @@ This file is both the pytest test and the 2-rank script it launches:
 
     python -m pytest -q tests/test_server.py
     # what test_two_ranks runs
-    torchrun --standalone --nproc_per_node 2 tests/test_server.py URL MODEL_DIR
+    torchrun --standalone --nproc_per_node 2 tests/test_server.py URL MODEL_DIR CERT
 """
+import asyncio
 import contextlib
 import copy
+import functools
 import io
 import json
 import os
 import re
+import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
 import time
+import types
+import urllib.error
 import urllib.request
 
 import pytest
@@ -79,6 +95,44 @@ def free_port():
         return s.getsockname()[1]
 
 
+def self_signed_cert(folder):
+    """-> (key, certificate): PEM files for 127.0.0.1, made with the README's
+    openssl line, or with cryptography where there is no openssl."""
+    key, cert = os.path.join(folder, "key.pem"), os.path.join(folder, "cert.pem")
+    if shutil.which("openssl"):
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                        "ec_paramgen_curve:prime256v1", "-nodes", "-days", "365", "-subj",
+                        "/CN=tinygrpo", "-addext", "subjectAltName=IP:127.0.0.1",
+                        "-keyout", key, "-out", cert], check=True, capture_output=True)
+        return key, cert
+
+    import datetime
+    import ipaddress
+
+    pytest.importorskip("cryptography", reason="neither openssl nor cryptography")
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    private = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, "tinygrpo")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ip = x509.IPAddress(ipaddress.ip_address("127.0.0.1"))
+    certificate = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+                   .public_key(private.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=365))
+                   .add_extension(x509.SubjectAlternativeName([ip]), critical=False)
+                   .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                   .sign(private, hashes.SHA256()))
+    with open(key, "wb") as f:
+        f.write(private.private_bytes(serialization.Encoding.PEM,
+                                      serialization.PrivateFormat.PKCS8,
+                                      serialization.NoEncryption()))
+    with open(cert, "wb") as f:
+        f.write(certificate.public_bytes(serialization.Encoding.PEM))
+    return key, cert
+
+
 class VLLMServer:
     """vLLM's own server on a loopback port, in a process group of its own: the
     API server and its engine core, which a kill of the first alone would leave
@@ -88,15 +142,27 @@ class VLLMServer:
         self.model_dir = model_dir
         self.log_path = log_path
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"https://127.0.0.1:{self.port}"
+        self.key_file, self.cert = self_signed_cert(os.path.dirname(log_path))
+        # train.py's flags that reach it
+        self.flags = ["--vllm-url", self.url, "--vllm-api-key", API_KEY,
+                      "--vllm-ca-cert", self.cert]
         self.proc = None
         # what the client printed while the server started
         self.waited = ""
 
+    def access(self, **changes):
+        """The client's server.Access: the key and the certificate, changed."""
+        from engines.server import Access
+
+        return Access(**dict(dict(api_key=API_KEY, ca_cert=self.cert), **changes))
+
     def start(self):
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--model", self.model_dir, "--host", "127.0.0.1", "--port", str(self.port),
-               "--api-key", API_KEY, "--dtype", "float32", "--enforce-eager",
+               "--api-key", API_KEY, "--middleware", "engines.worker_extension.RequireKey",
+               "--ssl-keyfile", self.key_file, "--ssl-certfile", self.cert,
+               "--dtype", "float32", "--enforce-eager",
                "--max-model-len", "64", "--kv-cache-memory-bytes", str(16 << 20),
                "--logprobs-mode", "processed_logprobs", "--no-enable-chunked-prefill",
                # /inference/v1/generate, for --partial-rollouts (tests/test_partial.py)
@@ -115,7 +181,7 @@ class VLLMServer:
         out = io.StringIO()
         try:
             with contextlib.redirect_stdout(out):
-                engine = RemoteEngine(self.url, tokenizer, api_key=API_KEY,
+                engine = RemoteEngine(self.url, tokenizer, access=self.access(),
                                       model_config=model_config, wait_s=STARTUP_S)
         except ConnectionError as e:
             tail = open(self.log_path).read()[-3000:]
@@ -184,16 +250,36 @@ def client(server, tiny, **kwargs):
     """A RemoteEngine on the shared server, checked against the tiny model."""
     from engines.server import RemoteEngine
 
-    kwargs.setdefault("api_key", API_KEY)
+    kwargs.setdefault("access", server.access())
     return RemoteEngine(server.url, tiny[2], model_config=tiny[1].config, wait_s=0,
                         **kwargs)
 
 
-def post(url, path, payload):
-    request = urllib.request.Request(url + path, json.dumps(payload).encode(),
-                                     {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as reply:
-        return json.loads(reply.read())
+@functools.cache
+def trusting(cert):
+    """The TLS settings that trust cert, made once."""
+    return ssl.create_default_context(cafile=cert)
+
+
+def send(url, cert, path, payload=None, key=API_KEY):
+    """GET path (no payload), or POST payload, with the key (None: none) ->
+    (the HTTP status, the reply's text)."""
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url + path, data, headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30, context=trusting(cert)) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def post(server, path, payload):
+    status, reply = send(server.url, server.cert, path, payload)
+    assert status == 200, (status, reply)
+    return json.loads(reply)
 
 
 def max_error(engine, model, prompts, temperature=TEMPERATURE, **sampling):
@@ -354,8 +440,9 @@ def test_lora_sync_sends_the_merged_adapted_layers(server, tiny):
 
 
 def test_refused_at_start_up(server, tiny):
-    """Each in one line: no key, a wrong key, another model, another tokenizer,
-    rows shorter than the run's."""
+    """Each in one line: no key, a wrong key, an untrusted certificate (at
+    once, though the client would wait for a server that is not up), another
+    model, another tokenizer, rows shorter than the run's."""
     from engines.server import RemoteEngine
     from task import CHARS, build_tokenizer
 
@@ -363,9 +450,18 @@ def test_refused_at_start_up(server, tiny):
     deeper = copy.deepcopy(model.config)
     deeper.num_hidden_layers = 3
 
+    start = time.monotonic()
+    one_line_error(lambda: RemoteEngine(server.url, tokenizer, wait_s=60,
+                                        access=server.access(ca_cert=None)),
+                   "its certificate is not trusted \\(self.signed certificate\\): give the "
+                   "certificate that signed it as --vllm-ca-cert FILE")
+    assert time.monotonic() - start < 10
+
     cases = [
-        (dict(api_key=None), "refused the API key \\(no --vllm-api-key\\)"),
-        (dict(api_key="wrong"), "refused the API key \\(--vllm-api-key KEY\\)"),
+        (dict(access=server.access(api_key=None)),
+         "refused the API key \\(no --vllm-api-key\\)"),
+        (dict(access=server.access(api_key="wrong")),
+         "refused the API key \\(--vllm-api-key KEY\\)"),
         (dict(model_config=deeper),
          "serves another model than the trainer's: num_hidden_layers 2 \\(trainer: 3\\)"),
         (dict(tokenizer=build_tokenizer(chars=CHARS[::-1])),
@@ -373,7 +469,7 @@ def test_refused_at_start_up(server, tiny):
         (dict(max_len=65), "holds rows of 64 tokens, the run needs 65.*--max-model-len"),
     ]
     for kwargs, match in cases:
-        kwargs = dict(dict(api_key=API_KEY, model_config=model.config,
+        kwargs = dict(dict(access=server.access(), model_config=model.config,
                            tokenizer=tokenizer), **kwargs)
         tok = kwargs.pop("tokenizer")
         one_line_error(lambda: RemoteEngine(server.url, tok, wait_s=0, **kwargs), match)
@@ -381,10 +477,12 @@ def test_refused_at_start_up(server, tiny):
 
 class FakeServer:
     """A stand-in for a misstarted vLLM server, on a loopback port: /health and
-    /v1/models as vLLM answers them, /collective_rpc with the given (status,
-    reply), as vLLM answered without dev mode or the extension."""
+    /v1/models as vLLM answers them, POST /collective_rpc with the given
+    (status, reply), as vLLM answered without dev mode or the extension, and
+    GET /collective_rpc without the key (the start-up check's probe) with
+    probe: by default the middleware's 401."""
 
-    def __init__(self, status, reply):
+    def __init__(self, status, reply, probe=(401, dict(error="Unauthorized"))):
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         class Handler(BaseHTTPRequestHandler):
@@ -398,6 +496,8 @@ class FakeServer:
 
             def do_GET(self):
                 models = dict(data=[dict(id="m", max_model_len=64)])
+                if self.path == "/collective_rpc":
+                    return self.answer(*probe)
                 self.answer(200, models if self.path == "/v1/models" else {})
 
             def do_POST(self):
@@ -447,6 +547,145 @@ def test_refused_misstarted_server(server, tiny):
             fake.close()
 
 
+def test_refused_without_the_middleware(server, tiny, capsys):
+    """A server without the middleware (vLLM's --api-key alone) answers GET
+    /collective_rpc without the key as the suite's answers it with the key:
+    405, the route itself. A stand-in that replays it is refused in one line
+    naming the flag; --allow-open-dev-routes accepts it (on loopback), with a
+    warning, and the check goes on (here to the stand-in's missing dev mode)."""
+    from engines.server import Access, RemoteEngine
+
+    status, reply = send(server.url, server.cert, "/collective_rpc")
+    assert status == 405, (status, reply)
+    assert send(server.url, server.cert, "/collective_rpc", key=None)[0] == 401
+
+    fake = FakeServer(404, dict(detail="Not Found"), probe=(405, json.loads(reply)))
+    try:
+        one_line_error(lambda: RemoteEngine(fake.url, tiny[2], wait_s=0),
+                       "answers its dev routes without the key \\(GET /collective_rpc: 405, "
+                       "not 401\\).* start it with --middleware "
+                       "engines.worker_extension.RequireKey and --api-key KEY")
+        allowed = Access(allow_open_dev_routes=True)
+        one_line_error(lambda: RemoteEngine(fake.url, tiny[2], wait_s=0, access=allowed),
+                       "has no /collective_rpc")
+    finally:
+        fake.close()
+    assert "runs /collective_rpc for anyone (--allow-open-dev-routes)" in capsys.readouterr().out
+
+
+def test_every_route_needs_the_key(server, tiny, tmp_path):
+    """/collective_rpc (tinygrpo_reload of other weights), /pause and
+    /reset_prefix_cache, without the key or with a wrong one: 401, and the
+    served weights unchanged (a log-prob probe before and after), the server
+    not paused. The same reload with the key changes them (the probe sees
+    it). /health answers without the key."""
+    from test_rollout import perturbed
+
+    _, model, _, prompts = tiny
+    engine = client(server, tiny, snapshot_dir=str(tmp_path), timeout=60)
+    engine.sync_weights(model)
+    before = max_error(engine, model, prompts)[1]
+
+    # other weights, in a file the server can read
+    path = engine.write_file(perturbed(model, 3), 0, dict(bytes=0))
+    attacks = [("/collective_rpc", dict(method="tinygrpo_reload", args=[path])),
+               ("/pause", {}), ("/reset_prefix_cache", {})]
+    for key in (None, "wrong"):
+        for route, payload in attacks:
+            status, reply = send(server.url, server.cert, route, payload, key=key)
+            assert (status, json.loads(reply)) == (401, dict(error="Unauthorized")), \
+                (route, key, status, reply)
+    after = max_error(engine, model, prompts)[1]
+    paused = json.loads(send(server.url, server.cert, "/is_paused")[1])
+
+    post(server, *attacks[0])
+    post(server, "/reset_prefix_cache", {})
+    reloaded = max_error(engine, model, prompts)[1]
+    engine.sync_weights(model)
+
+    print(f"log-prob error: {before:.1e} before, {after:.1e} after the refused requests, "
+          f"{reloaded:.1e} after the same reload with the key")
+    assert before < TOL and after < TOL and reloaded > 1e-2
+    assert paused == dict(is_paused=False)
+    assert send(server.url, server.cert, "/health", key=None)[0] == 200
+
+
+def test_key_never_in_the_clear(tiny):
+    """Refused in one line before a byte is sent: the key over plain http to
+    a host other than this machine's loopback (unless --allow-plain-http), a
+    CA certificate for plain http, --allow-open-dev-routes beyond loopback, a
+    url that is not http(s). The loopback forms and https pass."""
+    from engines.server import Access, RemoteEngine, check_url
+
+    key = Access(api_key="K")
+    start = time.monotonic()
+    one_line_error(lambda: RemoteEngine("http://10.0.0.1:8000", tiny[2], access=key),
+                   "--vllm-url http://10.0.0.1:8000 would send --vllm-api-key in the clear "
+                   "to another host: start the server with --ssl-keyfile and "
+                   "--ssl-certfile and give https:// .* or add --allow-plain-http")
+    assert time.monotonic() - start < 1
+
+    cases = [
+        ("http://localhost.example:8000", key, "in the clear to another host"),
+        ("http://10.0.0.1:8000", Access(ca_cert="cert.pem"),
+         "--vllm-ca-cert trusts an https server's certificate, and --vllm-url "
+         "http://10.0.0.1:8000 is plain http: give https://"),
+        ("https://10.0.0.1:8000", Access(allow_open_dev_routes=True),
+         "--allow-open-dev-routes is for a test server on this machine's loopback"),
+        ("10.0.0.1:8000", key, "--vllm-url 10.0.0.1:8000: give https://HOST:PORT"),
+    ]
+    for url, access, match in cases:
+        one_line_error(lambda: check_url(url, access), match)
+
+    for url in ("http://127.0.0.1:8000", "http://127.5.0.1:1", "http://localhost:8000",
+                "http://[::1]:8000", "https://10.0.0.1:8000"):
+        check_url(url, key)
+    check_url("http://10.0.0.1:8000", Access(api_key="K", allow_plain_http=True))
+    # no key, nothing to leak (the server refuses such a client)
+    check_url("http://10.0.0.1:8000", Access())
+    check_url("http://127.0.0.1:8000", Access(allow_open_dev_routes=True))
+
+
+def test_middleware_alone(monkeypatch):
+    """engines.worker_extension.RequireKey as vLLM mounts it, on a stand-in
+    app: the keys of --api-key (any of them), else VLLM_API_KEY; a server with
+    neither refuses all but /health, and says how to fix it; a websocket
+    without the key is closed before it opens."""
+    from engines.worker_extension import RequireKey
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    def call(path, header=None, api_key=None, kind="http"):
+        """-> (status or the websocket's close code, body)."""
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        args = types.SimpleNamespace(api_key=api_key)
+        scope = dict(type=kind, path=path, app=types.SimpleNamespace(
+                     state=types.SimpleNamespace(args=args)),
+                     headers=[(b"authorization", header.encode())] if header else [])
+        asyncio.run(RequireKey(app)(scope, None, send))
+        return sent[0].get("status", sent[0].get("code")), sent[-1].get("body")
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    keys = ["A", "B"]
+    assert call("/health") == (200, b"ok")
+    assert call("/pause", "Bearer B", keys) == call("/x", "bearer A", keys) == (200, b"ok")
+    for header in (None, "Bearer C", "Bearer", "Basic A", "Bearer A "):
+        assert call("/collective_rpc", header, keys) == (401, b'{"error": "Unauthorized"}')
+    assert call("/ws", kind="websocket", api_key=keys) == (1008, None)
+
+    status, body = call("/collective_rpc", "Bearer ")
+    assert status == 401 and b"this server has no key" in body and b"--api-key KEY" in body
+    monkeypatch.setenv("VLLM_API_KEY", "E")
+    assert call("/collective_rpc", "Bearer E") == (200, b"ok")
+    assert call("/collective_rpc", "Bearer E", ["A"])[0] == 401
+
+
 def test_refused_weight_update_loses_nothing(server, tiny):
     """Weights the server cannot load (another vocabulary): one line, and the
     server serves on; the next sync repairs it."""
@@ -479,7 +718,7 @@ def test_restarted_or_hung_server(server, tiny):
     engine.sync_weights(model, version=7)
     engine.generate(prompts, G, MAX_NEW)
 
-    post(server.url, "/update_weight_version", dict(new_version="default"))
+    post(server, "/update_weight_version", dict(new_version="default"))
     one_line_error(lambda: engine.generate(prompts, G, MAX_NEW),
                    "holds weights version 'default', not the trainer's 7: it restarted")
     engine.sync_weights(model)
@@ -498,16 +737,16 @@ def test_restarted_or_hung_server(server, tiny):
 
 
 def test_two_ranks(server, tiny):
-    run_two_rank_script(__file__, server.url, tiny[0])
+    run_two_rank_script(__file__, server.url, tiny[0], server.cert)
 
 
 def test_train_two_ranks_against_server(server, tiny, tmp_path):
     """train.py --vllm-mode server end to end: 2 trainer ranks (gloo), one
-    server, a sync every step."""
+    server, a sync every step; the key on every request, over https."""
     from helpers import run_train
 
-    args = ["--model", tiny[0], "--vllm-mode", "server", "--vllm-url", server.url,
-            "--vllm-api-key", API_KEY, "--lr", "3e-4", "--steps", "2",
+    args = ["--model", tiny[0], "--vllm-mode", "server", *server.flags,
+            "--lr", "3e-4", "--steps", "2",
             "--eval-every", "0", "--eval-size", "16", "--prompts-per-step", "8",
             "--max-prompt-len", "16"]
 
@@ -522,15 +761,15 @@ def test_train_two_ranks_against_server(server, tiny, tmp_path):
 # the per-rank script: 2 trainer ranks (gloo) against one server, each with its
 # own prompts
 
-def requests_running(url):
+def requests_running(url, cert):
     """vLLM's gauge of the sequences in its running batch (a request's n
     completions count n)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
-        text = reply.read().decode()
+    status, text = send(url, cert, "/metrics")
+    assert status == 200, (status, text)
     return float(re.search(r"^vllm:num_requests_running\{.*\} (\S+)$", text, re.M)[1])
 
 
-def batched_together(engine, url, prompt, rank, tries=5):
+def batched_together(engine, cert, prompt, rank, tries=5):
     """Both ranks ask for n = 8 completions of one prompt at once, while rank 0
     watches the server's running batch: more than 8 holds both ranks'. -> the
     most seen."""
@@ -542,7 +781,7 @@ def batched_together(engine, url, prompt, rank, tries=5):
 
         def watch():
             while not done.is_set():
-                seen[0] = max(seen[0], requests_running(url))
+                seen[0] = max(seen[0], requests_running(engine.url, cert))
 
         watcher = threading.Thread(target=watch, daemon=True)
         if rank == 0:
@@ -560,7 +799,7 @@ def batched_together(engine, url, prompt, rank, tries=5):
     return seen[0]
 
 
-def main(url, model_dir):
+def main(url, model_dir, cert):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -568,7 +807,7 @@ def main(url, model_dir):
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
     sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
-    from engines.server import RemoteEngine
+    from engines.server import Access, RemoteEngine
     from test_rollout import perturbed, trainer_logps
 
     dist.init_process_group("gloo")
@@ -577,12 +816,12 @@ def main(url, model_dir):
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = Qwen2ForCausalLM.from_pretrained(model_dir)
-    engine = RemoteEngine(url, tokenizer, seed=rank, api_key=API_KEY,
+    engine = RemoteEngine(url, tokenizer, seed=rank, access=Access(API_KEY, cert),
                           model_config=model.config, wait_s=0)
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS][rank::world]
 
     # the ranks' requests run in one batch of vLLM's
-    most = batched_together(engine, url, prompts[0], rank)
+    most = batched_together(engine, cert, prompts[0], rank)
     print(f"rank {rank}: at most {most:g} sequences running", flush=True)
     assert most > 8, most
 
@@ -630,4 +869,4 @@ def main(url, model_dir):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from helpers import run_train, without_timings
 from test_resume import start_and_kill
-from test_server import API_KEY, shared_server
+from test_server import shared_server
 
 # one worker starts the session's server (--dist loadgroup): test_server.py's group
 pytestmark = pytest.mark.xdist_group("vllm_server")
@@ -120,8 +120,8 @@ def server(request, tiny):
 
 
 def server_args(tiny, server, steps, *flags):
-    return ["--model", tiny[0], "--vllm-mode", "server", "--vllm-url", server.url,
-            "--vllm-api-key", API_KEY, "--lr", "3e-4", "--steps", str(steps),
+    return ["--model", tiny[0], "--vllm-mode", "server", *server.flags,
+            "--lr", "3e-4", "--steps", str(steps),
             "--save-every", "2", "--eval-every", "0", "--eval-size", "8",
             "--prompts-per-step", "8", "--max-prompt-len", "16", *flags]
 
