@@ -48,7 +48,6 @@ Simplifications (each is a choice, not an accident):
    AdamW stay fp32; the reference and the rollout engine hold --dtype weights
    (model.py).
 """
-import dataclasses
 import json
 import math
 import os
@@ -85,7 +84,6 @@ from model import (Forward, load_model, load_reference, load_tokenizer, pad_id, 
                    sequence_logps, truncates, wrap_ddp)
 from reward import (
     extras_named,
-    final_number_reward,
     get_reward_funcs,
     get_soft_overlong_punishment,
     score,
@@ -125,7 +123,8 @@ try:
         reward_funcs.append(get_soft_overlong_punishment(args.max_new_tokens,
                                                          args.overlong_buffer))
         args.reward_weights = args.reward_weights + [1.0]
-    # None: an --environment's own reward (after its probe, below)
+    # None: an --environment's own reward, else final_number_reward (after its
+    # probe, below: tools/multiturn.py)
     eval_func = None
     if args.eval_reward:
         (eval_func,) = get_reward_funcs([args.eval_reward])
@@ -147,14 +146,14 @@ if args.report_to or args.wandb:
 # Setup: data, model, reference, optimizer, rollout engine, the resumed state
 loss_impl, loss_why = choose_impl(args.loss_impl, device, args.importance_sampling_level,
                                   args.loss_type)
-# the loss's hyperparameters, the same for every micro-batch: each field is the
-# flag of its name
-loss_settings = LossSettings.from_flags(args, loss_impl)
 if loss_impl == "triton":  # held to loss.py on this run's settings first (kernels/check.py)
     from kernels.check import checked_impl
 
-    loss_impl, loss_why = checked_impl(args.loss_impl, loss_why, loss_settings, device)
-    loss_settings = dataclasses.replace(loss_settings, impl=loss_impl)
+    loss_impl, loss_why = checked_impl(args.loss_impl, loss_why,
+                                       LossSettings.from_flags(args, loss_impl), device)
+# the loss's hyperparameters, the same for every micro-batch: each field is the
+# flag of its name
+loss_settings = LossSettings.from_flags(args, loss_impl)
 # the sampler's filters
 truncation = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
 sampling = dict(**truncation, repetition_penalty=args.repetition_penalty)
@@ -187,8 +186,6 @@ try:
         tools_of = environments.tools_of
         reward_funcs, eval_func = tools.with_environment_rewards(environments, args,
                                                                  reward_funcs, eval_func)
-    if eval_func is None:
-        eval_func = final_number_reward
     if not reward_funcs:
         raise ValueError("no reward: pass --rewards, or an --environment whose class "
                          "defines get_reward")
@@ -724,11 +721,10 @@ if tool_rows:
 # --adaptive-entropy: Skywork-OR1's controller of the entropy bonus
 # (variants/adaptive_entropy.py)
 if args.adaptive_entropy:
-    from variants.adaptive_entropy import Controller
+    from variants import adaptive_entropy
 
-    entropy_control = Controller(args, saved if resume_from else None)
-    after_optimizer_step.append(entropy_control.step)
-    step_loggers.append(entropy_control.log)
+    entropy_control = adaptive_entropy.attach(args, saved if resume_from else None,
+                                              after_optimizer_step, step_loggers)
 # --sync-ref-every N: TR-DPO's reference, moved toward the policy every N
 # optimizer steps (variants/trdpo.py)
 if args.sync_ref_every:
@@ -738,16 +734,13 @@ if args.sync_ref_every:
                                             args.ref_mixup_alpha))
 # TRL's reward extras (trl_compat/reward_extras.py): trainer_state, log_metric and
 # log_extra, for the reward functions that name them; what training's and
-# evaluation's calls logged
+# evaluation's calls logged (training's in each step's record)
 if any(extras_named(fn) for fn in [*reward_funcs, eval_func]):
     from trl_compat import reward_extras
 
     reward_logs, eval_logs = reward_extras.open_logs(
-        progress=lambda: (opt_step, consumed), train_prompts=len(train_rows),
+        step_loggers, progress=lambda: (opt_step, consumed), train_prompts=len(train_rows),
         batch_prompts=args.prompts_per_step, max_steps=opt_steps_total)
-    # the rewards' log_metric values: each the mean over the step's calls and the
-    # ranks (a collective), by the name given, as TRL's
-    step_loggers.append(lambda step, record, *_: record.update(reward_logs.step_metrics(record)))
 # --log-completions N: every N-th step's completions to completions.jsonl, cut
 # back as metrics.jsonl on a resume (runlog/completions.py); before the step's
 # record and checkpoint, so that a checkpoint's steps are whole in the file

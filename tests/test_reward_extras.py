@@ -101,7 +101,7 @@ def rollout_of(texts, G=1):
 def opened(progress=(6, 12)):
     """reward_extras.open_logs -> (training's RewardLogs, evaluation's); progress:
     what progress() gives, a list to change it."""
-    return reward_extras.open_logs(progress=lambda: tuple(progress), **PROGRESS)
+    return reward_extras.open_logs([], progress=lambda: tuple(progress), **PROGRESS)
 
 
 def test_a_function_gets_the_extras_it_names_and_kw_gets_none():

@@ -51,6 +51,7 @@ import torch
 import data
 from tools import environment
 from model import pad_id
+from reward import final_number_reward
 from rollout import Rollout, build_rollout, call_seed
 from tools.tool_format import FenceFormat, TemplateFormat, supports_tools
 
@@ -362,11 +363,14 @@ def environment_reward_func(name):
 
 def with_environment_rewards(environments, args, reward_funcs, eval_func):
     """train.py: each environment's reward after reward_funcs, of weight 1 (added
-    to args.reward_weights); the first is the evaluation's where no --eval-reward
-    named one (eval_func None). -> (reward functions, eval_func)."""
+    to args.reward_weights); where no --eval-reward named one (eval_func None),
+    the evaluation's is the first, else final_number_reward. -> (reward
+    functions, eval_func)."""
     args.reward_weights = args.reward_weights + [1.0] * len(environments.rewards)
     if eval_func is None and environments.rewards:
         eval_func = environments.rewards[0]
+    elif eval_func is None:
+        eval_func = final_number_reward
     return reward_funcs + environments.rewards, eval_func
 
 
