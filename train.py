@@ -24,8 +24,8 @@ config.defaults' recipe. The stages:
     rollout.py (sample) -> reward.py (score) -> advantage.py (group z-score)
     -> batch.py (old and reference log-probs, masks) -> loss.py (PPO-clip
     loss; kernels/ on GPUs) -> rollout.py (sync weights).
-model.py holds the forward, data.py the prompts, checkpoint.py saving and
-resuming, metrics.py the logged numbers.
+model.py holds the forward, data.py the prompts, checkpoint.py saving (and
+resume/ resuming), runlog/metrics.py the logged numbers.
 
 Simplifications (each is a choice, not an accident):
 1. Rollouts run in the training process (vLLM colocated, or rollout.HFEngine).
