@@ -25,9 +25,9 @@ Nothing in it is overwritten by another run. A second run on a live one is
 refused. --resume no on a folder that holds a run is refused, and so is a
 configuration that differs from its own.
 
-check_out_dir locks it. resume_point finds where a run starts (find, load). save
-writes a checkpoint, restore loads one into the live run, and open_metrics cuts
-metrics.jsonl back to it.
+check_out_dir locks it. resume_point finds where a run starts (find; the rest
+of a resume is resume/checkpoints.py's: load, restore, and the metrics cut that
+open_metrics asks for). save writes a checkpoint.
 
 Run the tests: python -m pytest -q tests/test_checkpoint.py tests/test_resume.py
 
@@ -58,7 +58,6 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
-    set_optimizer_state_dict,
 )
 
 from common import all_ranks_ok, barrier, is_lora, master, rank
@@ -140,19 +139,6 @@ def _records(path):
     return sum(1 for _ in open(path))
 
 
-def _what_it_holds(out_dir, path, incomplete, records):
-    """What an out-dir holds of a run, in words: checkpoints, records, a final model/."""
-    steps = [int(p.rsplit("_", 1)[1]) for p in ([path] if path else []) + incomplete]
-    held = []
-    if steps:
-        held.append(f"checkpoints up to step {max(steps)}")
-    if records:
-        held.append(f"metrics.jsonl with {records} records")
-    if os.path.isdir(os.path.join(out_dir, "model")):
-        held.append("a final model/")
-    return held
-
-
 def resume_point(out_dir, resume, run_config, log=print):
     """--resume auto|yes|no -> (checkpoint folder or None, its trainer state or None).
 
@@ -168,58 +154,20 @@ def resume_point(out_dir, resume, run_config, log=print):
     path, incomplete = find(root)
     records = _records(metrics)
 
-    if resume == "no":
-        held = _what_it_holds(out_dir, path, incomplete, records)
-        if held:
-            raise ValueError(f"--resume no: {out_dir!r} holds a run "
-                             f"({', '.join(held)}): use another --out-dir or delete it "
-                             f"(--resume auto continues it)")
+    # it holds a run (even one cut before its first checkpoint), or --resume
+    # asks for one: resume it, or refuse (resume/checkpoints.py)
+    if path or incomplete or records or resume != "auto":
+        from resume.checkpoints import held_run_point
 
-    for p in incomplete:
-        log(f"warning: {p} is incomplete (a crash while writing it, "
-            f"or a file missing or cut short): skipped")
-    if path:
-        return path, load(path, run_config)
-    if resume == "yes":
-        raise ValueError(f"--resume yes: no checkpoint under {root} "
-                         f"(incomplete ones do not count)")
-
-    # stopped before its first checkpoint: redone from step 0, if it is this run
-    if records:
-        _check_same_run(info, metrics, records, run_config)
-        log(f"warning: no complete checkpoint under {root} "
-            f"(the run stopped before its first --save-every): "
-            f"starting again from step 0 (the {records} records in {metrics} "
-            f"are dropped: their steps are redone)")
+        point = held_run_point(out_dir, resume, run_config, path, incomplete, records, log)
+        if point:
+            return point
 
     if master:
         with open(info + ".tmp", "w") as f:
             json.dump(run_config, f, indent=1, default=str)
         os.replace(info + ".tmp", info)
     return None, None
-
-
-def _check_same_run(info, metrics, records, run_config):
-    """ValueError unless run.json (info) vouches for the records.
-
-    It must hold the same configuration.
-    """
-    try:
-        saved = json.load(open(info))
-    # none, or cut short
-    except (OSError, ValueError):
-        saved = None
-
-    diff = None
-    if saved:
-        diff = {k: (saved.get(k), v) for k, v in run_config.items() if saved.get(k) != v}
-    if saved is None or diff:
-        why = "no run.json says which run wrote them: use "
-        if diff:
-            why = (f"it was written by a different run configuration {diff} "
-                   f"(saved, now): use the same arguments, ")
-        raise ValueError(f"{metrics} holds {records} records but there is no checkpoint "
-                         f"to resume from, and {why}another --out-dir, or delete it")
 
 
 def _files(path):
@@ -250,36 +198,16 @@ def find(root):
     return None, skipped
 
 
-def load(path, run_config):
-    try:
-        saved = torch.load(os.path.join(path, "trainer.pt"), weights_only=False)
-    # the right size but not a checkpoint: a file overwritten in place
-    except Exception as e:
-        raise ValueError(f"{path}/trainer.pt is unreadable ({type(e).__name__}): "
-                         f"delete {path} to resume from the checkpoint "
-                         f"before it") from None
-
-    diff = {k: (saved["config"].get(k), v) for k, v in run_config.items()
-            if saved["config"].get(k) != v}
-    if diff:
-        raise ValueError(f"{path} was written by a different run configuration {diff} "
-                         f"(saved, now): use the same arguments, or another --out-dir")
-    return saved
-
-
 def save_model(model, path, state_dict, tokenizer):
     """A save_pretrained folder (safetensors: transformers and vLLM load it).
 
     A LoRA policy is saved merged, as the engine samples from it, under plain
     names, with its adapter in path/adapter.
     """
-    if is_lora(model):
-        from scale.lora import merged_state_dict
+    if is_lora(model):  # the adapter saved, and the base model merged (scale/lora.py)
+        from scale.lora import save_adapter
 
-        # adapter_model.safetensors + its config
-        model.save_pretrained(os.path.join(path, "adapter"))
-        state_dict = merged_state_dict(model, state_dict)
-        model = model.get_base_model()
+        model, state_dict = save_adapter(model, path, state_dict)
 
     model.save_pretrained(path, state_dict=state_dict)
     tokenizer.save_pretrained(path)
@@ -363,68 +291,15 @@ def _commit(root, path, tmp, keep_last):
             shutil.rmtree(old)
 
 
-def restore(path, saved, model, optimizer, engine, device, reference=None):
-    """Load the LoRA adapter (if any), the optimizer, this rank's RNG and engine states.
-
-    And into reference (--sync-ref-every), the reference's weights: save() wrote
-    them. -> (step, optimizer step, prompts consumed, save()'s pending batches or
-    None). Call it after the engine is built: vLLM's start-up reseeds the global
-    RNGs.
-    """
-    # the policy was built from the initial model: the checkpoint's adapter is the
-    # trained part
-    if is_lora(model):
-        from scale.lora import load_adapter
-
-        load_adapter(model, os.path.join(path, "model", "adapter"))
-
-    options = StateDictOptions(full_state_dict=True)
-    set_optimizer_state_dict(model, optimizer, saved["optimizer"], options=options)
-    if reference is not None:
-        weights = torch.load(os.path.join(path, "reference.pt"), map_location=device)
-        reference.load_state_dict(weights)
-
-    rng = torch.load(os.path.join(path, f"rng_rank{rank}.pt"), weights_only=False)
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
-    engine.load_state_dict(rng["engine"])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(rng["cuda"])
-
-    return saved["step"], saved["opt_step"], saved["prompts_consumed"], rng.get("pending")
-
-
 def open_metrics(path, keep_until, log=print):
-    """Rank 0: metrics.jsonl open for appending, cut back to step keep_until.
+    """Rank 0: metrics.jsonl open for appending: a new run's emptied, a resumed
+    run's cut back to step keep_until (resume/checkpoints.py's cut_metrics)."""
+    if keep_until is not None:
+        from resume.checkpoints import cut_metrics
 
-    It keeps only the records up to that step (keep_until None: none). Later
-    records (redone) and torn lines (a crash mid-write) are dropped, saying so.
-    The cut file replaces the old one in one rename, so a crash now loses nothing.
-    """
-    kept = []
-    dropped = 0
-    torn = 0
-    if keep_until is not None and not os.path.exists(path):
-        log(f"warning: {path} is missing: the records up to step {keep_until} are lost, "
-            f"the run goes on without them")
-
-    if keep_until is not None and os.path.exists(path):
-        for line in open(path):
-            try:
-                if json.loads(line)["step"] <= keep_until:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-                else:
-                    dropped += 1
-            except (ValueError, KeyError, TypeError):
-                torn += 1  # its step is redone
-
-    if dropped or torn:
-        torn_lines = f" and {torn} torn line(s)" if torn else ""
-        log(f"{path}: kept the {len(kept)} records up to step {keep_until}; "
-            f"dropped {dropped} later record(s){torn_lines} (their steps are redone)")
-
-    with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)
+        cut_metrics(path, keep_until, log)
+    else:
+        with open(path + ".tmp", "w"):
+            pass
+        os.replace(path + ".tmp", path)
     return open(path, "a")

@@ -4,6 +4,7 @@ model's chat template, encode it, and draw the stream of prompts step after step
 
     load_rows(dataset, ...)            -> (train, held-out rows): the task or a dataset
     load_prompt_dataset(name_or_path)  a hub id, dataset folder or local files -> rows
+                                       (.jsonl here; the rest: data_sources/)
     prepare_prompts(tokenizer, rows)   render, encode, drop the too long ones
                                        -> (rows, ids, conversational)
     batch_indices(...)                 this rank's rows for the next prompts of the stream
@@ -28,7 +29,6 @@ import os
 import random
 import re
 
-from common import cause
 from task import make_sort_dataset
 
 
@@ -73,9 +73,6 @@ DEFAULT_SYSTEM_PROMPT = (
     "reasoning process here </think> final answer here")
 
 
-_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-
-
 # The keywords every reward function already gets (tool_calls: with --tools).
 RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "tool_calls",
                     "environment_rewards")
@@ -110,19 +107,11 @@ def load_prompt_dataset(name_or_path, *, config=None, split="train",
         return _prompt_rows(rows, columns, name_or_path, split, prompt_column,
                             solution_column)
 
-    # imported here: it costs a second that the built-in task does not need
-    import datasets
+    # other files and splits, a hub id or a dataset folder: HF datasets
+    # (data_sources/hf_datasets.py)
+    from data_sources.hf_datasets import load_with_datasets
 
-    # per-shard bars would break the step bar
-    datasets.disable_progress_bars()
-
-    if exts <= set(_LOADERS):
-        ds = _load_files(datasets, paths, exts, split, name_or_path)
-    elif len(paths) == 1 and not os.path.isfile(paths[0]):
-        ds = _load_hub_or_folder(datasets, paths[0], config, split)
-    else:
-        raise ValueError(f"cannot load dataset {name_or_path!r}: give a hub id, a "
-                         f"dataset folder or files ending in {', '.join(_LOADERS)}")
+    ds = load_with_datasets(paths, exts, config, split, name_or_path)
     return _prompt_rows(ds, ds.column_names, name_or_path, split, prompt_column,
                         solution_column)
 
@@ -150,36 +139,11 @@ def _prompt_rows(ds, columns, name_or_path, split, prompt_column, solution_colum
     return rows
 
 
-def _check_files_exist(paths):
+def check_files_exist(paths):
     """FileNotFoundError naming each path or glob that matches no file."""
     missing = [p for p in paths if not glob.glob(p)]
     if missing:
         raise FileNotFoundError(f"dataset file not found: {', '.join(missing)}")
-
-
-def _load_files(datasets, paths, exts, split, name_or_path):
-    """Local .json/.jsonl/.csv/.parquet files of one format -> a datasets.Dataset."""
-    _check_files_exist(paths)
-
-    if len({_LOADERS[e] for e in exts}) > 1:
-        raise ValueError(f"dataset files mix formats {sorted(exts)}: "
-                         "use one of json/jsonl, csv, parquet")
-
-    _check_json_lines(paths)
-
-    # datasets raises StopIteration on an empty .jsonl, ValueError on "[]" or an
-    # unknown split
-    try:
-        return datasets.load_dataset(_LOADERS[exts.pop()], data_files=paths, split=split)
-    except (StopIteration, ValueError) as e:
-        raise ValueError(f"cannot load split {split!r} of {name_or_path!r}: "
-                         f"{str(e) or 'no rows'} (local files are one split, 'train', "
-                         "and slices like 'train[:100]' work; empty files have no "
-                         "rows)") from e
-    except Exception as e:
-        # a malformed file: datasets' DatasetGenerationError, pyarrow's errors
-        raise ValueError(f"cannot read dataset {name_or_path!r}: {cause(e)}: "
-                         "fix the file") from None
 
 
 # the splits of local .jsonl files read without datasets: "train", "train[a:b]"
@@ -198,9 +162,9 @@ def _load_json_lines(paths, name_or_path, rows_slice):
     values keep the types JSON gave them (datasets casts a column of ints and
     floats to floats).
     """
-    _check_files_exist(paths)
+    check_files_exist(paths)
     rows = [row for pattern in paths for path in sorted(glob.glob(pattern))
-            for row in _json_lines(path)]
+            for row in json_lines(path)]
 
     not_objects = [i for i, row in enumerate(rows) if not isinstance(row, dict)]
     if not_objects:
@@ -214,22 +178,6 @@ def _load_json_lines(paths, name_or_path, rows_slice):
     columns = list(dict.fromkeys(key for row in rows for key in row))
     kept = [{column: row.get(column) for column in columns} for row in rows[rows_slice]]
     return kept, columns
-
-
-def _load_hub_or_folder(datasets, path, config, split):
-    """A hub id or a local dataset folder -> a datasets.Dataset."""
-    try:
-        return datasets.load_dataset(path, config, split=split)
-    except Exception as e:
-        # not a dataset folder, offline (HF_HUB_OFFLINE=1, no network), unknown
-        # config or split
-        if os.path.isdir(path):
-            what = "the folder"
-        else:
-            what = ("the hub id (offline? HF_HUB_OFFLINE=1 or no network reads only the "
-                    "local cache)")
-        raise ValueError(f"cannot load dataset {path!r} ({cause(e)}): check {what}, "
-                         "or give .json/.jsonl/.csv/.parquet file(s)") from None
 
 
 def _check_columns(columns, renames, where):
@@ -253,20 +201,7 @@ def _check_columns(columns, renames, where):
                              "rename it (or map it with prompt_column/solution_column)")
 
 
-def _check_json_lines(paths):
-    """A .jsonl line that is not JSON -> ValueError naming the file and line.
-
-    datasets names neither.
-    """
-    for pattern in paths:
-        if pattern.lower().endswith(".jsonl"):
-            for path in sorted(glob.glob(pattern)):
-                # every line parsed: _json_lines raises at the first bad one
-                for _ in _json_lines(path):
-                    pass
-
-
-def _json_lines(path):
+def json_lines(path):
     """The JSON value of each non-blank line of a .jsonl file; ValueError naming
     the file and line of one that is not JSON."""
     with open(path, encoding="utf-8", errors="replace") as lines:
@@ -287,18 +222,6 @@ def _is_prompt(p):
     if not isinstance(p, list) or len(p) == 0:
         return False
     return all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in p)
-
-
-def gsm8k_gold(answer):
-    """The final number of a GSM8K answer, commas dropped.
-
-    "...so she has 72 left.\n#### 72" -> "72".
-    """
-    if "####" not in answer:
-        raise ValueError(f"not a GSM8K answer (no '####' marker): {answer!r:.80}")
-
-    last = answer.split("####")[-1].strip()
-    return last.split("\n")[0].replace(",", "")
 
 
 def render_prompts(tokenizer, questions, system_prompt=DEFAULT_SYSTEM_PROMPT, tools=None):
@@ -379,16 +302,6 @@ def load_rows(dataset, *, digits, eval_size, seed, config, split, eval_split,
     train = load_prompt_dataset(dataset, config=config, split=split, **columns)
     held_out = load_prompt_dataset(dataset, config=config, split=eval_split, **columns)
     return train, held_out[:eval_size]
-
-
-def with_observation(question, observation):
-    """The question with an environment's reset text appended to its last
-    message, as TRL does."""
-    if isinstance(question, str):
-        return question + observation
-
-    last = dict(question[-1], content=question[-1]["content"] + observation)
-    return list(question[:-1]) + [last]
 
 
 def prepare_prompts(tokenizer, rows, system_prompt, max_len, what, raw=False, log=print,

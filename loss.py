@@ -51,10 +51,10 @@ call passes it.
 
 Truncated sampling (--top-k, --top-p, --min-p; TRL issue #6789): the logits
 arrive here already FILTERED outside the sampler's kept set
-(model.truncate_logits, in train.py), as do old_logps and ref_logps. So every
-log-prob, and with them the ratio, the entropies and the KL, is over the
-truncated, renormalized distribution the sampler drew from: this file is
-unchanged. The repetition penalty is not replayed (model.py).
+(sampling/truncation.py, attached in train.py), as do old_logps and
+ref_logps. So every log-prob, and with them the ratio, the entropies and the KL,
+is over the truncated, renormalized distribution the sampler drew from: this
+file is unchanged. The repetition penalty is not replayed (sampling/truncation.py).
 """
 import dataclasses
 

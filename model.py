@@ -11,8 +11,7 @@ the forward that turns a rollout into the logits and log-probs the loss needs.
     selective_log_softmax(logits, ids)  log softmax(logits / temperature)[ids], fp32
     entropy_from_logits(logits)    (n, T) entropies, fp32
     Forward                        those three, which fast.install can swap (fast/update.py)
-    kept_tokens(scores, ...)       the tokens top-k / top-p / min-p keep (both engines)
-    truncate_logits(logits, ids, ...)  the sampler's support replayed on the trainer's logits
+    truncates(top_k, top_p, min_p)  whether a filter is on (sampling/truncation.py replays it)
     sequence_logps(forward, ...)   (N, T) log-probs of the completions, by micro-batch
 
 Mixed precision, as PyTorch users expect: the policy's weights, gradients and
@@ -20,17 +19,6 @@ AdamW states are fp32, and only the compute runs in --dtype (torch.autocast).
 Under FSDP2, MixedPrecisionPolicy casts the gathered weights and reduces the
 gradients in fp32. bf16 weights updated in place would lose every update below
 half a bf16 ulp of the weight. The frozen reference is stored in --dtype.
-
-Truncated sampling (TRL issue #6789): with top-k, top-p or min-p on, the
-sampler's log-prob is over the kept set, renormalized. A full-vocabulary
-log-prob would bias every ratio against it by the kept mass S (mean ratio ~0.8
-at top-p 0.8). So whenever a knob is on, truncate_logits runs the sampler's
-filter (kept_tokens) on each model's own logits and sets the tokens it drops to
-FILTERED: the old, reference and current log-probs, the entropies and the KL
-are all over the truncated distribution. The sampled token is always kept (the
-trainer's rounding may put it just past the boundary). The repetition penalty
-is not replayed (it needs each position's seen tokens): the trainer's log-probs
-are unpenalized, and train.py says so at start-up.
 
 Simplifications:
 1. Full weights load on the CPU first. With FSDP2 (scale/fsdp.py) each decoder
@@ -353,16 +341,11 @@ def is_recomputed(layer):
 
 
 # -----------------------------------------------------------------------------
-# Truncated sampling: the sampler's kept set, on the sampler's and the trainer's logits
+# Truncated sampling: is a filter on? (sampling/truncation.py replays it)
 
-# fp32 elements per chunk of rows the filter runs on (256 MiB): bounds the
-# transient upcast copy
+# fp32 elements per chunk of rows that a full-vocabulary op runs on (256 MiB):
+# bounds the transient upcast copy (sampling/truncation.py, fast/update.py)
 CHUNK_ELEMENTS = 2**26
-
-# a filtered logit on the trainer's side: finite in bf16 and fp32, so that the
-# kernel's sum p * logit is 0 there, not 0 * -inf = NaN; and -1e9 / T still
-# underflows exp to 0
-FILTERED = -1e9
 
 
 def truncates(top_k=0, top_p=1.0, min_p=0.0):
@@ -370,80 +353,19 @@ def truncates(top_k=0, top_p=1.0, min_p=0.0):
     return (top_k or 0) > 0 or top_p < 1.0 or min_p > 0.0
 
 
-def kept_tokens(scores, top_k=0, top_p=1.0, min_p=0.0):
-    """(n, V) scores (logits / temperature, fp32) -> (n, V) bool, True where kept.
-
-    vLLM 0.32's order (v1/sample/sampler.py): min-p on the whole distribution,
-    then top-k, then top-p over what is left (ops/topk_topp_sampler.py,
-    apply_top_k_top_p_pytorch). Ties with the k-th score are kept. The one
-    filter both engines and the trainer apply.
-    """
-    n, V = scores.shape
-    keep = torch.ones_like(scores, dtype=torch.bool)  # (n, V)
-
-    # drop a token less likely than min_p x the likeliest one
-    if min_p > 0:
-        probs = scores.softmax(-1)  # (n, V)
-        floor = min_p * probs.amax(-1, keepdim=True)  # (n, 1)
-        keep = probs >= floor
-
-    if 0 < (top_k or 0) < V:
-        kth = scores.topk(top_k).values[:, -1:]  # (n, 1)
-        keep = keep & (scores >= kth)
-
-    # drop the least likely tokens while they hold at most 1 - top_p of the mass
-    if top_p < 1.0:
-        ordered, order = scores.masked_fill(~keep, -torch.inf).sort(-1)  # (n, V) ascending
-        tail_mass = ordered.softmax(-1).cumsum(-1)  # (n, V)
-        drop = tail_mass <= 1 - top_p
-        drop[:, -1] = False  # the likeliest stays
-        dropped = torch.empty_like(drop).scatter_(1, order, drop)  # (n, V) unsorted
-        keep = keep & ~dropped
-    return keep
-
-
-def truncate_logits(logits, ids, temperature, top_k=0, top_p=1.0, min_p=0.0):
-    """The sampler's kept set, replayed on the trainer's logits (see the top).
-
-    (n, T, V) logits, (n, T) the sampled ids -> (n, T, V) logits that are
-    FILTERED outside the set kept_tokens keeps at each position, with the
-    sampled token always in it. log softmax over them is the truncated,
-    renormalized log-prob; entropies and the KL are then over the truncated
-    distribution too. With every filter off, the logits themselves. The mask is
-    a constant: gradients flow through the kept logits only. Costs one (n, T, V)
-    copy of the logits and a bool mask, and top-p a sort over V per position.
-    """
-    if not truncates(top_k, top_p, min_p):
-        return logits
-
-    n, T, V = logits.shape
-    flat = logits.detach().reshape(n * T, V)  # (n*T, V)
-    keep = torch.empty(n * T, V, dtype=torch.bool, device=logits.device)  # (n*T, V)
-    step = max(1, CHUNK_ELEMENTS // V)
-    with torch.no_grad():
-        for i in range(0, n * T, step):
-            scores = upcast(flat[i:i + step], temperature)  # (rows, V)
-            keep[i:i + step] = kept_tokens(scores, top_k, top_p, min_p)
-    keep = keep.view(n, T, V)
-    keep.scatter_(-1, ids.unsqueeze(-1), True)  # the sampled token, whatever rounding says
-    return logits.masked_fill(~keep, FILTERED)  # (n, T, V)
-
-
 @torch.no_grad()
 def sequence_logps(forward, model, prompts, completion_ids, temperature, micro,
-                   dtype=torch.float32, top_k=0, top_p=1.0, min_p=0.0):
+                   dtype=torch.float32):
     """Per-token log-probs (N, T) of the completions under model, through
     forward (a Forward).
 
     model is the old policy or the reference. micro sequences go in each forward:
-    as in the update, the logits alive at once are (micro, T, V). top_k, top_p,
-    min_p: the sampler's filters, replayed (truncate_logits).
+    as in the update, the logits alive at once are (micro, T, V).
     """
     logps = []
     for i in range(0, completion_ids.shape[0], micro):
         ids = completion_ids[i:i + micro]  # (micro, T)
         rows = slice(i, i + micro)
         logits = forward.logits(model, prompts, rows, ids, dtype)  # (micro, T, V)
-        logits = truncate_logits(logits, ids, temperature, top_k, top_p, min_p)
         logps.append(forward.logps(logits, ids, temperature))  # (micro, T)
     return torch.cat(logps)  # (N, T)

@@ -5,9 +5,9 @@ Rollout: sample G completions per prompt from the policy, with the sampler's own
     where c = completion_ids[i, t], the token sampled at step t of completion i
 
 process: the repetition penalty, then min-p, top-k, top-p after the
-temperature (model.kept_tokens). This is what the trainer recomputes
-(model.selective_log_softmax, on model.truncate_logits' logits when a filter
-is on), but for the repetition penalty. Raw logprobs are not (trl#4159).
+temperature (sampling/truncation.py's kept_tokens). This is what the trainer
+recomputes (model.selective_log_softmax, on logits truncated by
+sampling/truncation.py when a filter is on), but for the repetition penalty. Raw logprobs are not (trl#4159).
 
 This file holds the Rollout, the engine interface (Engine), the plain HF decode
 loop (HFEngine) and make_engine. vLLM in the training process is
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from common import all_ranks_ok, private_rng, unwrap
-from model import kept_tokens, pad_id, sequence_batch, truncates
+from model import pad_id, sequence_batch, truncates
 
 
 @dataclass
@@ -55,6 +55,16 @@ class Rollout:
     is_finished: torch.Tensor
     # (N,) completions decoded up to (excluding) EOS
     texts: list[str]
+
+    def reward_columns(self):
+        """What this rollout adds to the reward functions' columns (reward.score):
+        nothing here; the tools' ToolRollout adds its calls and environment rewards."""
+        return {}
+
+    def conversations(self):
+        """Each completion as the conversation a reward function gets for a chat
+        dataset: one assistant turn (the tools': their assistant and tool turns)."""
+        return [[{"role": "assistant", "content": text}] for text in self.texts]
 
 
 def build_rollout(prompt_ids, G, completions, logps, finished, pad_id, tokenizer):
@@ -109,10 +119,11 @@ def process_logits(logits, seen, temperature, top_p=1.0, top_k=0, min_p=0.0,
     scores = scores.div_(temperature)
 
     # min-p, top-k, top-p in vLLM's order: the trainer replays the same filter
-    # (model.truncate_logits)
+    # (sampling/truncation.py)
     if truncates(top_k, top_p, min_p):
-        keep = kept_tokens(scores, top_k, top_p, min_p)  # (N, V)
-        scores = scores.masked_fill(~keep, -torch.inf)
+        from sampling.truncation import filtered_scores
+
+        scores = filtered_scores(scores, top_k, top_p, min_p)  # (N, V)
     return scores
 
 
@@ -210,14 +221,6 @@ def as_lists(tokens, logps, lengths, done):
     return completions, logps, done.tolist()
 
 
-def most_on_any_rank(value, device):
-    """The largest of an int across the ranks (FSDP2 ranks may ask for
-    different max_new_tokens, and all decode until the last one ends)."""
-    most = torch.tensor([value], device=device)
-    dist.all_reduce(most, op=dist.ReduceOp.MAX)
-    return int(most.item())
-
-
 class HFEngine(Engine):
     def __init__(self, model, tokenizer, *, seed=0, dtype="float32"):
         self.model = model
@@ -250,7 +253,9 @@ class HFEngine(Engine):
         synced = dist.is_initialized() and sharded
         steps = max_new_tokens
         agree = bool
-        if synced:
+        if synced:  # FSDP2 (scale/fsdp.py): every forward is a collective
+            from scale.fsdp import most_on_any_rank
+
             steps = most_on_any_rank(max_new_tokens, ids.device)
             agree = all_ranks_ok
 

@@ -12,7 +12,6 @@ a per-position shaping reward.
 Real datasets (GSM8K and the like) load through data.py instead; the recipe for
 each is config.py's.
 
-    python task.py    # a few prompts, the tokenizer round trip, the model size
     python -m pytest -q tests/test_data.py
 
 Simplifications:
@@ -176,15 +175,3 @@ def position_reward(completions, solution, **kw):
     pairs = zip(texts, solution, strict=True)
     return [sum(a == b for a, b in zip(t, s)) / max(len(t), len(s)) for t, s in pairs]
 
-
-if __name__ == "__main__":
-    tokenizer = build_tokenizer()
-    train, test = make_sort_dataset()
-    print(train[:5], len(train), len(test))
-
-    ids = tokenizer(train[0]["prompt"] + train[0]["solution"])["input_ids"]
-    print(ids, repr(tokenizer.decode(ids)))
-
-    model = build_tiny_model(tokenizer)
-    num_params = sum(p.numel() for p in model.parameters())
-    print(f"{num_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}")

@@ -24,8 +24,8 @@ config.defaults' recipe. The stages:
     rollout.py (sample) -> reward.py (score) -> advantage.py (group z-score)
     -> batch.py (old and reference log-probs, masks) -> loss.py (PPO-clip
     loss; kernels/ on GPUs) -> rollout.py (sync weights).
-model.py holds the forward, data.py the prompts, checkpoint.py saving and
-resuming, metrics.py the logged numbers.
+model.py holds the forward, data.py the prompts, checkpoint.py saving (and
+resume/ resuming), runlog/metrics.py the logged numbers.
 
 Simplifications (each is a choice, not an accident):
 1. Rollouts run in the training process (vLLM colocated, or rollout.HFEngine).
@@ -48,7 +48,6 @@ Simplifications (each is a choice, not an accident):
    AdamW stay fp32; the reference and the rollout engine hold --dtype weights
    (model.py).
 """
-import dataclasses
 import json
 import math
 import os
@@ -82,13 +81,11 @@ from common import (barrier, ddp, fail, mark, master,
 from loss import LossSettings, choose_impl, kept_mask, minibatch_tokens, policy_loss
 from runlog.metrics import step_metrics
 from model import (Forward, load_model, load_reference, load_tokenizer, pad_id, prompt_batch,
-                   sequence_logps, truncate_logits, wrap_ddp)
+                   sequence_logps, truncates, wrap_ddp)
 from reward import (
     extras_named,
-    final_number_reward,
     get_reward_funcs,
     get_soft_overlong_punishment,
-    pass_at_k,
     score,
 )
 from rollout import make_engine, pick_engine
@@ -108,6 +105,8 @@ config.check_flags(args)  # one clear line each, the same verdict on every rank
 config.resolve_aliases(args)  # --tis-cap C: --is-correction token_truncate --is-max C
 eval_k = []  # pass@k for these k (--eval-samples)
 if args.eval_samples:
+    from runlog.pass_at_k import pass_at_k  # evaluate() calls it once eval_k has a k
+
     eval_k = sorted(set(args.eval_k or [1, args.eval_samples]))
 builtin_task = args.dataset is None
 tiny = args.model is None
@@ -124,7 +123,8 @@ try:
         reward_funcs.append(get_soft_overlong_punishment(args.max_new_tokens,
                                                          args.overlong_buffer))
         args.reward_weights = args.reward_weights + [1.0]
-    # None: an --environment's own reward (after its probe, below)
+    # None: an --environment's own reward, else final_number_reward (after its
+    # probe, below: tools/multiturn.py)
     eval_func = None
     if args.eval_reward:
         (eval_func,) = get_reward_funcs([args.eval_reward])
@@ -146,16 +146,15 @@ if args.report_to or args.wandb:
 # Setup: data, model, reference, optimizer, rollout engine, the resumed state
 loss_impl, loss_why = choose_impl(args.loss_impl, device, args.importance_sampling_level,
                                   args.loss_type)
-# the loss's hyperparameters, the same for every micro-batch: each field is the
-# flag of its name
-loss_settings = LossSettings.from_flags(args, loss_impl)
 if loss_impl == "triton":  # held to loss.py on this run's settings first (kernels/check.py)
     from kernels.check import checked_impl
 
-    loss_impl, loss_why = checked_impl(args.loss_impl, loss_why, loss_settings, device)
-    loss_settings = dataclasses.replace(loss_settings, impl=loss_impl)
-# the sampler's filters; the trainer replays top-k, top-p and min-p on its own
-# logits, so that its log-probs are over the same truncated support (model.py)
+    loss_impl, loss_why = checked_impl(args.loss_impl, loss_why,
+                                       LossSettings.from_flags(args, loss_impl), device)
+# the loss's hyperparameters, the same for every micro-batch: each field is the
+# flag of its name
+loss_settings = LossSettings.from_flags(args, loss_impl)
+# the sampler's filters
 truncation = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
 sampling = dict(**truncation, repetition_penalty=args.repetition_penalty)
 
@@ -185,12 +184,8 @@ try:
 
         environments = tools.load_environments(args, tokenizer)
         tools_of = environments.tools_of
-        reward_funcs += environments.rewards
-        args.reward_weights = args.reward_weights + [1.0] * len(environments.rewards)
-        if eval_func is None and environments.rewards:
-            eval_func = environments.rewards[0]
-    if eval_func is None:
-        eval_func = final_number_reward
+        reward_funcs, eval_func = tools.with_environment_rewards(environments, args,
+                                                                 reward_funcs, eval_func)
     if not reward_funcs:
         raise ValueError("no reward: pass --rewards, or an --environment whose class "
                          "defines get_reward")
@@ -219,7 +214,7 @@ try:
     mark("imports, data")
     seed_all(args.seed + rank)
     # LoRA trains adapters on the initial model (a resume loads its adapter:
-    # checkpoint.restore)
+    # resume/checkpoints.py's restore)
     lora = None
     if args.lora_rank:
         from scale.lora import lora_config
@@ -302,6 +297,13 @@ if args.fast != "off":
         args.fast, args=args, model=model, reference=ref_model, engine=engine,
         optimizer=optimizer, device=device, dtype=dtype, loss_impl=loss_impl,
         minibatch=minibatch)
+# --top-k, --top-p, --min-p: the trainer replays the sampler's filters on its own
+# logits, so that its log-probs are over the same truncated support
+# (sampling/truncation.py)
+if truncates(**truncation):
+    from sampling.truncation import replayed_on
+
+    forward = replayed_on(forward, args.temperature, **truncation)
 # --tools: the multi-turn loop around the engine (tools/multiturn.py); the rows go to
 # generate for the environments' resets
 tool_rows = environments is not None
@@ -315,7 +317,9 @@ pending = None  # server mode's batches drawn ahead, from the checkpoint
 # --sync-ref-every: the reference moves (TR-DPO), so the checkpoints hold it
 moving_reference = ref_model if args.sync_ref_every else None
 if resume_from:  # RNG states last: the engine's start-up reseeds torch
-    start_step, opt_step, consumed, pending = checkpoint.restore(
+    from resume.checkpoints import restore
+
+    start_step, opt_step, consumed, pending = restore(
         resume_from, saved, raw_model, optimizer, engine, device, moving_reference)
     print0(f"resuming from {resume_from} (step {start_step}); "
            f"another --out-dir starts a new run")
@@ -432,8 +436,7 @@ def evaluate():
     # still end on the right number
     result = dict(eval_greedy=means[0], eval_greedy_truncated=means[1],
                   eval_sampled=means[2])
-    for k, p in zip(eval_k, means[3:]):
-        result[f"pass@{k}"] = p
+    result.update({f"pass@{k}": p for k, p in zip(eval_k, means[3:])})
     if eval_logs:  # its reward's log_metric values, as eval_NAME (a collective)
         result.update(eval_logs.step_metrics(result))
     return result
@@ -488,27 +491,24 @@ def prepare_update(rollout, prompts, advantages):
     if args.max_staleness and not is_corrected:  # the behaviour policy's (README: --async)
         old_logps = sampling_logps
     elif args.num_iterations > 1 or minibatch < N or is_corrected:  # off-policy
-        old_logps = sequence_logps(forward, raw_model, prompts, completion_ids, **by_micro,
-                                   **truncation)
+        old_logps = sequence_logps(forward, raw_model, prompts, completion_ids, **by_micro)
 
     ref_logps = None  # (N, T)
     if ref_model is not None:
-        ref_logps = sequence_logps(forward, ref_model, prompts, completion_ids, **by_micro,
-                                   **truncation)
+        ref_logps = sequence_logps(forward, ref_model, prompts, completion_ids, **by_micro)
 
     # the step's masks: the truncated completions, the high-entropy tokens of all ranks
     truncated = None  # (N,)
     if args.mask_truncated:
         truncated = ~rollout.is_finished.to(device)
     high_entropy = None  # (N, T)
-    if args.top_entropy_quantile < 1:  # (variants/high_entropy.py)
-        from variants.high_entropy import high_entropy_mask, policy_entropies
+    # from the policy before this update (variants/high_entropy.py)
+    if args.top_entropy_quantile < 1:
+        from variants.high_entropy import step_mask
 
-        # (N, T) from the policy before this update
-        entropies = policy_entropies(forward, raw_model, prompts, completion_ids,
-                                     **by_micro, **truncation)
         kept = kept_mask(completion_mask, truncated)  # (N, T)
-        high_entropy = high_entropy_mask(entropies, kept, args.top_entropy_quantile)
+        high_entropy = step_mask(forward, raw_model, prompts, completion_ids, kept,
+                                 args.top_entropy_quantile, **by_micro)
 
     # the rows to train: all (n = N); --fast: one of each set of identical
     # completions, weighed by its count (fast/dedup.py). Only with one forward a
@@ -561,8 +561,6 @@ def backward_micro(batch, prompts, rows, mb_tokens, last, settings):
         logps = forward.head_logps(model, prompts, rows, ids, mask, args.temperature)
     else:
         logits = forward.logits(model, prompts, rows, ids, dtype)
-        # the sampler's support: FILTERED outside it when a filter is on (model.py)
-        logits = truncate_logits(logits, ids, args.temperature, **truncation)
         if settings.entropy_coef:
             entropies = forward.entropies(logits, args.temperature)
         if loss_impl == "torch":
@@ -679,7 +677,8 @@ def resources(tokens):
 # -----------------------------------------------------------------------------
 # The optional features, each attached once to what the loop calls, behind its flag
 opt_steps_total = args.steps * args.num_iterations * (n_local // minibatch)
-times = {}  # the step's seconds by phase: sample_and_score and the sync add theirs
+# the step's seconds by phase, emptied each step: sample_and_score and the sync add theirs
+times = {}
 sync_weights = engine.sync_weights
 entropy_control = None  # --adaptive-entropy's Controller
 after_optimizer_step = []  # fn(opt_step), after each optimizer step
@@ -695,41 +694,26 @@ if args.dynamic_sampling:
     sample_and_score = with_dynamic_sampling(sample_and_score, args.dynamic_sampling, args.G,
                                              args.reward_weights, pad_id(tokenizer),
                                              args.reward_aggregation)
-# --vllm-sleep: the engine's weights and KV cache idle from the rollout to the
-# sync, leaving room for the update (engines/vllm_engine.py, simplification 6)
+# --vllm-sleep: the engine's weights and KV cache freed from the step's sampling
+# to the sync, leaving room for the update (engines/vllm_sleep.py)
 if args.vllm_sleep:
-    sample_then_score = sample_and_score
+    from engines import vllm_sleep
 
-    def sample_and_score(consumed):
-        drawn = sample_then_score(consumed)
-        engine.sleep()
-        return drawn
+    sample_and_score, sync_weights = vllm_sleep.attach(sample_and_score, engine)
 # --max-staleness N, --async (N = 1): server mode's batches drawn up to N weight
-# versions ahead of the trainer, while it updates (engines/staleness.py)
+# versions ahead of the trainer, while it updates: sample takes one drawn ahead,
+# and a resumed run first trains those its checkpoint holds (engines/staleness.py)
 sampler = None
 if args.max_staleness is not None:
     from engines import staleness
 
-    sampler = staleness.AheadSampler(sample, args.max_staleness, args.prompts_per_step,
-                                     args.steps, args.partial_rollouts,
-                                     policy_version=start_step)
-    if resume_from:  # the batches it had drawn ahead
-        sampler.load_state_dict(pending, consumed)
-    # drawn ahead; the next ones are asked for now, drawn meanwhile
-    sample = sampler.take
-
-    def sync_weights(model):
-        """Once the batches asked for are in: times' wait is the trainer's for them."""
-        return sampler.sync(engine, model, times)
+    sampler, sample, sync_weights = staleness.attach(sample, engine, times, args, start_step,
+                                                     pending, consumed)
 # server mode: which weights sampled the batch, which trained on it
 if args.vllm_mode == "server":
-    def log_versions(step, record, rows, rollout, rewards, advantages):
-        lag = step - 1 - record["sampler_version"]
-        record.update(policy_version=step - 1, staleness=lag)
-        if sampler:  # staleness_mean, staleness_max (all ranks), stale_dropped
-            record.update(sampler.step_metrics(lag, device))
+    from engines.staleness import version_logger
 
-    step_loggers.append(log_versions)
+    step_loggers.append(version_logger(sampler, device))
 # --tools: tool_calls_mean, tool_error_rate, tool_seconds
 if tool_rows:
     step_loggers.append(lambda step, record, rows, rollout, *_: record.update(
@@ -737,11 +721,10 @@ if tool_rows:
 # --adaptive-entropy: Skywork-OR1's controller of the entropy bonus
 # (variants/adaptive_entropy.py)
 if args.adaptive_entropy:
-    from variants.adaptive_entropy import Controller
+    from variants import adaptive_entropy
 
-    entropy_control = Controller(args, saved if resume_from else None)
-    after_optimizer_step.append(entropy_control.step)
-    step_loggers.append(entropy_control.log)
+    entropy_control = adaptive_entropy.attach(args, saved if resume_from else None,
+                                              after_optimizer_step, step_loggers)
 # --sync-ref-every N: TR-DPO's reference, moved toward the policy every N
 # optimizer steps (variants/trdpo.py)
 if args.sync_ref_every:
@@ -751,35 +734,22 @@ if args.sync_ref_every:
                                             args.ref_mixup_alpha))
 # TRL's reward extras (trl_compat/reward_extras.py): trainer_state, log_metric and
 # log_extra, for the reward functions that name them; what training's and
-# evaluation's calls logged
+# evaluation's calls logged (training's in each step's record)
 if any(extras_named(fn) for fn in [*reward_funcs, eval_func]):
     from trl_compat import reward_extras
 
     reward_logs, eval_logs = reward_extras.open_logs(
-        progress=lambda: (opt_step, consumed), train_prompts=len(train_rows),
+        step_loggers, progress=lambda: (opt_step, consumed), train_prompts=len(train_rows),
         batch_prompts=args.prompts_per_step, max_steps=opt_steps_total)
-    # the rewards' log_metric values: each the mean over the step's calls and the
-    # ranks (a collective), by the name given, as TRL's
-    step_loggers.append(lambda step, record, *_: record.update(reward_logs.step_metrics(record)))
 # --log-completions N: every N-th step's completions to completions.jsonl, cut
 # back as metrics.jsonl on a resume (runlog/completions.py); before the step's
 # record and checkpoint, so that a checkpoint's steps are whole in the file
 if args.log_completions:
-    from runlog import completions
+    from runlog.completions import step_logger
 
-    completions_file = completions.open_log(args.out_dir, start_step if resume_from else None)
-
-    def log_completions(step, record, rows, rollout, rewards, advantages):
-        if step % args.log_completions == 0:  # a collective
-            extras = None  # log_extra's columns, which the rows carry (reward_extras.py)
-            if reward_logs is not None:
-                extras = reward_logs.columns_of(rows)
-            lengths = rollout.completion_mask.sum(1)  # (N,)
-            mine = completions.step_rows(step, rows, rollout, rewards, advantages, lengths,
-                                         args.reward_weights, reward_names, extras)
-            completions.log(completions_file, step, mine, reporter)
-
-    step_loggers.append(log_completions)
+    step_loggers.append(step_logger(args.out_dir, args.log_completions,
+                                    start_step if resume_from else None, args.reward_weights,
+                                    reward_names, reporter, reward_logs))
 
 # -----------------------------------------------------------------------------
 # The GRPO loop: the first evaluation, then a step at a time
@@ -802,7 +772,8 @@ t_start = time.time()
 bar = tqdm(range(start_step + 1, args.steps + 1), initial=start_step, total=args.steps,
            disable=not master, dynamic_ncols=True)
 for step in bar:
-    times = dict(rollout=0.0, reward=0.0)
+    times.clear()  # the step's seconds by phase (a feature's sync adds its own)
+    times.update(rollout=0.0, reward=0.0)
 
     # 1) sample G completions for each of this rank's next prompts, and score them
     (rows, rollout, rewards), prompts_drawn, sample_stats = sample_and_score(consumed)  # (N, F)

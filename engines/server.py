@@ -122,7 +122,8 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 
-from common import in_background, print0, unwrap
+from common import print0, unwrap
+from engines.background import in_background
 from model import pad_id
 from engines.vllm_engine import full_named_parameters
 from rollout import Engine, Rollout
@@ -154,7 +155,7 @@ def request_seed(call_seed, row):
 def concurrently(fn, items, workers):
     """[fn(x) for x in items], up to `workers` calls at a time.
 
-    Each lane is a daemon thread (common.in_background): a run that stops does
+    Each lane is a daemon thread (engines/background.py): a run that stops does
     not wait for a hung server's replies. The first error is raised.
     """
     items = list(items)

@@ -2,8 +2,9 @@
 Bounded staleness in server mode (TRL 1.19's AsyncGRPOTrainer, max_staleness):
 AheadSampler draws the next batches from vLLM's server while the trainer
 updates, up to N weight versions ahead of it. train.py builds one per rank with
---max-staleness N (--async is --max-staleness 1); a default run never imports
-this file.
+--max-staleness N (--async is --max-staleness 1: attach), and logs each step's
+versions in server mode (version_logger); a default run never imports this
+file.
 
     python train.py --model DIR --vllm-mode server --vllm-url URL --max-staleness 2
 
@@ -61,7 +62,28 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
-from common import ddp, in_background, print0, result_everywhere
+from common import ddp, print0
+from engines.background import in_background, result_everywhere
+
+
+def attach(sample, engine, times, args, policy_version, pending=None, next_offset=0):
+    """train.py's set-up for --max-staleness N -> (the AheadSampler; its take,
+    which the loop calls as sample; its sync, as sync_weights).
+
+    sample: train.py's; times: the step's seconds by phase, which the sync adds
+    the trainer's wait to; pending: a resumed checkpoint's batches drawn ahead
+    (None: a new run), the next step's at next_offset.
+    """
+    sampler = AheadSampler(sample, args.max_staleness, args.prompts_per_step, args.steps,
+                           args.partial_rollouts, policy_version=policy_version)
+    if pending is not None:
+        sampler.load_state_dict(pending, next_offset)
+
+    def sync_weights(model):
+        """Once the batches asked for are in: times' wait is the trainer's for them."""
+        return sampler.sync(engine, model, times)
+
+    return sampler, sampler.take, sync_weights
 
 
 class AheadSampler:
@@ -190,6 +212,20 @@ class AheadSampler:
             self.batches[offset] = done(batch)
         print0(f"resumed with {len(self.batches)} batch(es) drawn ahead "
                f"(--max-staleness {self.max_staleness})")
+
+
+def version_logger(sampler, device):
+    """train.py's step logger in server mode: which weights sampled the step's
+    batch (sampler_version, from the server), which trained on it
+    (policy_version), and the staleness between; with --max-staleness, the
+    sampler's numbers over all ranks (AheadSampler.step_metrics)."""
+    def log_versions(step, record, rows, rollout, rewards, advantages):
+        lag = step - 1 - record["sampler_version"]
+        record.update(policy_version=step - 1, staleness=lag)
+        if sampler:  # staleness_mean, staleness_max (all ranks), stale_dropped
+            record.update(sampler.step_metrics(lag, device))
+
+    return log_versions
 
 
 def token_staleness(versions, policy_version):

@@ -23,10 +23,9 @@ Simplifications:
    the new tokens: train.py says), a quarter more for the prefix cache, capped at
    gpu_memory_utilization of RAM. vLLM allocates and zeroes all of it at
    start-up. It runs eagerly what vLLM's sampler compiles.
-6. On CPU, VLLMEngine.sleep() (train.py --vllm-sleep) frees the engine's copy
-   of the weights and its KV cache from the rollout to the next sync_weights,
-   which refills both: nothing reads them during the update, whose peak they
-   would add to. It needs a sync that sends every layer (not LoRA's).
+6. On CPU, --vllm-sleep (engines/vllm_sleep.py) frees the engine's copy of the
+   weights and its KV cache from the rollout to the next sync, which refills
+   both (self.asleep says it is so).
 """
 import gc
 import logging
@@ -165,13 +164,10 @@ class VLLMEngine(Engine):
             raise ValueError("tensor_parallel_size > 1 needs torchrun "
                              "(one shard per rank, external_launcher)")
 
-        # every rank creates every group, then keeps its own
-        if distributed and tensor_parallel_size > 1:
-            tp = tensor_parallel_size
-            firsts = range(0, dist.get_world_size(), tp)
-            groups = [dist.new_group(list(range(g, g + tp))) for g in firsts]
-            self.tp_group = groups[dist.get_rank() // tp]
-            self.tp_rank = dist.get_rank() % tp
+        if distributed and tensor_parallel_size > 1:  # --vllm-tp (scale/tensor_parallel.py)
+            from scale.tensor_parallel import tensor_parallel_group
+
+            self.tp_group, self.tp_rank = tensor_parallel_group(tensor_parallel_size)
 
         if distributed:
             llm_kwargs["distributed_executor_backend"] = "external_launcher"
@@ -181,7 +177,8 @@ class VLLMEngine(Engine):
         from vllm import SamplingParams, TokensPrompt
 
         if self.asleep:
-            raise RuntimeError("VLLMEngine.sample while asleep: sync_weights wakes it")
+            raise RuntimeError("VLLMEngine.sample while asleep: the next sync wakes it "
+                               "(engines/vllm_sleep.py)")
         params = SamplingParams(n=n, max_tokens=max_new_tokens, temperature=temperature,
                                 top_p=top_p, min_p=min_p, top_k=max(top_k or 0, 0),
                                 repetition_penalty=repetition_penalty, logprobs=0,
@@ -211,37 +208,8 @@ class VLLMEngine(Engine):
         if self.on_cpu:  # the reload packed it again
             self.llm.collective_rpc(_drop_lookup_packing)
 
-        if self.asleep:
-            missing = sum(self.llm.collective_rpc(_layers_asleep), [])
-            if missing:
-                raise RuntimeError(f"VLLMEngine.sleep() freed layers this sync did not "
-                                   f"send ({', '.join(missing[:3])}, ...): sleep needs a "
-                                   f"sync of every layer, not LoRA's")
-            # after the reload, whose layers pass through unpacked copies
-            self.llm.collective_rpc(_restore_kv_cache)
-            self.asleep = False
-
         self.llm.reset_prefix_cache()  # its KV entries came from the old weights
         return dict(seconds=time.perf_counter() - start, bytes=counter["bytes"])
-
-    def sleep(self):
-        """Free the weights and the KV cache until the next sync_weights (CPU only).
-
-        vLLM's CPU linear layers hold their own packed copies of the weights
-        (oneDNN), and the KV cache is one zeroed buffer: 0.8 GiB of a
-        SmolLM2-135M run, idle from the rollout to the sync after the update.
-        The layers' packed copies are dropped, and the buffer's storage is
-        resized to 0 with its views kept (FSDP's way of freeing a parameter).
-        sync_weights then repacks every layer it sends (reload_weights), and
-        gives the buffer back zeroed, as vLLM starts it (engines/vllm_engine.py, simplification 6).
-
-        A no-op on GPU (vLLM's own sleep mode needs enable_sleep_mode at start)
-        and for tensor-parallel shards, whose reload refills only some layers.
-        """
-        if not self.on_cpu or self.tp_group is not None or self.asleep:
-            return
-        self.llm.collective_rpc(_free_weights_and_kv_cache)
-        self.asleep = True
 
     def close(self):
         if getattr(self, "llm", None) is not None:
@@ -269,46 +237,6 @@ def _drop_lookup_packing(worker):
         lookup = lookup and not isinstance(module, ParallelLMHead)
         if lookup and hasattr(module, "cpu_linear"):
             module.cpu_linear = _lookup_only
-
-
-def _asleep(*args, **kwargs):
-    raise RuntimeError("this vLLM layer is asleep: VLLMEngine.sync_weights refills it")
-
-
-def _free_weights_and_kv_cache(worker):
-    """VLLMEngine.sleep, inside vLLM's worker."""
-    runner = worker.model_runner
-
-    # each linear layer's cpu_linear holds its packed weight
-    for module in runner.get_model().modules():
-        if hasattr(module, "cpu_linear"):
-            module.cpu_linear = _asleep
-
-    # every layer's KV cache is a view of one buffer (vLLM's allocate_kv_cache):
-    # find the storages first, since a freed one's data_ptr is 0
-    storages = {}
-    for kv in runner.kv_caches:
-        storages.setdefault(kv.untyped_storage().data_ptr(), kv)
-    worker.tinygrpo_kv_sizes = [(kv, kv.untyped_storage().nbytes())
-                                for kv in storages.values()]
-    for kv, _ in worker.tinygrpo_kv_sizes:
-        kv.untyped_storage().resize_(0)
-
-
-def _restore_kv_cache(worker):
-    """The KV buffer back at its size, zeroed as vLLM allocates it."""
-    for kv, nbytes in worker.tinygrpo_kv_sizes:
-        storage = kv.untyped_storage()
-        storage.resize_(nbytes)
-        storage.fill_(0)
-    worker.tinygrpo_kv_sizes = []
-
-
-def _layers_asleep(worker):
-    """The names of the layers the last reload did not repack."""
-    model = worker.model_runner.get_model()
-    return [name for name, module in model.named_modules()
-            if getattr(module, "cpu_linear", None) is _asleep]
 
 
 def full_named_parameters(model, counter, dtype=None):

@@ -28,7 +28,7 @@ from fast import forwards_replaced
 from fast.attention import GQA_ATTENTION, SharedPrefix
 from fast.lora import merged_adapters
 from model import sequence_batch
-from rollout import HFEngine, as_lists, most_on_any_rank, process_logits
+from rollout import HFEngine, as_lists, process_logits
 
 
 class FastHFEngine(HFEngine):
@@ -74,6 +74,8 @@ class FastHFEngine(HFEngine):
             # FSDP2: a rank steps on until the longest-running rank ends
             steps = max_new_tokens
             if synced:
+                from scale.fsdp import most_on_any_rank
+
                 steps = most_on_any_rank(max_new_tokens, ids.device)
             # on the CPU in fp32, a prompt's keys and values are kept once for
             # its n rows (SharedPrefix); else each row gets a copy

@@ -79,6 +79,27 @@ def open_log(out_dir, keep_until, log=print):
     return open_metrics(path, keep_until, log=log)
 
 
+def step_logger(out_dir, every, keep_until, weights, names, reporter=None, reward_logs=None):
+    """train.py's step logger for --log-completions N: every N-th step's rows to
+    completions.jsonl (opened here, cut back to keep_until: open_log), before
+    the step's record and checkpoint, so that a checkpoint's steps are whole in
+    the file. reward_logs: reward_extras.RewardLogs, whose log_extra columns go
+    with their rows, or None."""
+    file = open_log(out_dir, keep_until)
+
+    def log_completions(step, record, rows, rollout, rewards, advantages):
+        if step % every == 0:  # a collective
+            extra_columns = None
+            if reward_logs is not None:
+                extra_columns = reward_logs.columns_of(rows)
+            lengths = rollout.completion_mask.sum(1)  # (N,)
+            mine = step_rows(step, rows, rollout, rewards, advantages, lengths, weights,
+                             names, extra_columns)
+            log(file, step, mine, reporter)
+
+    return log_completions
+
+
 def prompt_text(prompt):
     """A row's prompt -> text: a string as it is, a conversation as its messages."""
     if isinstance(prompt, str):

@@ -208,6 +208,15 @@ def load_adapter(model, path):
 
 
 @torch.no_grad()
+def save_adapter(model, path, state_dict):
+    """checkpoint.save_model of a LoRA policy: its adapter to path/adapter
+    (adapter_model.safetensors + its config) -> (the base model, state_dict
+    merged under plain names), for save_pretrained to write as the engine
+    samples it."""
+    model.save_pretrained(os.path.join(path, "adapter"))
+    return model.get_base_model(), merged_state_dict(model, state_dict)
+
+
 def merged_state_dict(model, state_dict):
     """A LoRA policy's full state dict (get_model_state_dict's) -> a plain checkpoint's.
 

@@ -22,8 +22,10 @@ import data
 import model
 import task
 from helpers import ROOT, assert_close_rel, fp32_tol, summed_terms
-from reward import (accuracy_reward, compute_rewards, get_reward_funcs,
-                    get_reward_model_func, reasoning_accuracy_reward, think_format_reward)
+from reward import compute_rewards, get_reward_funcs
+from rewards.math_answers import accuracy_reward, reasoning_accuracy_reward
+from rewards.reward_model import get_reward_model_func
+from rewards.think_format import think_format_reward
 
 # Made-up word problems in GSM8K's format: a worked answer with <<calculator>> notes,
 # the gold after "####".
@@ -384,18 +386,14 @@ def test_prompt_limit_leaves_room_for_the_completion():
         data.prompt_limit(512, 64, 64)
 
 
-def test_gsm8k_gold(tmp_path):
+def test_gsm8k_golds_score_with_accuracy_reward(tmp_path):
     rows = load_fixtures(write_gsm8k_jsonl(tmp_path / "g.jsonl"))
     solutions = [r["solution"] for r in rows]
-    assert [data.gsm8k_gold(s) for s in solutions] == GOLDS
 
-    # the reward's own gold parsing agrees with gsm8k_gold: the bare gold scores 1,
-    # the number before "####" 0
+    # the reward parses the gold after "####": the bare gold scores 1, the
+    # number before "####" 0
     assert accuracy_reward([f"\\boxed{{{g}}}" for g in GOLDS], solutions) == [1.0] * 5
     assert accuracy_reward(["12", "12", "90", "9", "1200"], solutions) == [0, 0, 1, 0, 0]
-
-    with pytest.raises(ValueError, match="no '####' marker"):
-        data.gsm8k_gold("The answer is 7.")
 
 
 # -----------------------------------------------------------------------------

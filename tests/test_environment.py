@@ -20,7 +20,9 @@ import data
 from tools import environment
 from tools.environment import load_specs
 from helpers import ENGINE_TOL, fine_tune, read_metrics, run_train, without_timings
-from reward import accuracy_reward, environment_reward_func, final_number_reward, score
+from reward import final_number_reward, score
+from rewards.math_answers import accuracy_reward
+from tools.multiturn import environment_reward_func, with_observation
 from engines.vllm_engine import VLLMEngine
 from rollout import Engine, HFEngine
 from task import TEXT_CHARS, build_tiny_model, build_tokenizer
@@ -310,7 +312,7 @@ def test_reset_text_is_appended_and_each_completion_has_its_instance(chat):
     specs = load_specs(["trl_style_env.NoteEnv"], [])
 
     def render(row, observation):
-        texts, _ = data.render_prompts(chat, [data.with_observation(row["prompt"],
+        texts, _ = data.render_prompts(chat, [with_observation(row["prompt"],
                                                                    observation)], "")
         return data.encode_prompts(chat, texts, True)[0]
 

@@ -30,9 +30,11 @@ from rollout import HFEngine
 # the engines' seed: both loops draw the same uniforms from it
 SEED = 3
 # the optional features' folders and modules: a default run imports none of them
-FEATURE_FOLDERS = ("tools", "trl_compat", "variants", "scale")
+FEATURE_FOLDERS = ("tools", "trl_compat", "variants", "scale", "rewards", "sampling", "resume",
+                   "data_sources")
 FEATURE_MODULES = ("engines.server", "engines.staleness", "engines.worker_extension",
-                   "runlog.report", "runlog.completions")
+                   "engines.vllm_sleep", "engines.background", "runlog.report", "runlog.completions",
+                   "runlog.pass_at_k")
 
 
 def features(loaded):

@@ -106,8 +106,8 @@ assert not loaded, f"imported {sorted(loaded)}"
 # and in its folders
 
 # the folders of modules: the kernel, the speed machinery, each feature's room
-PACKAGES = ("kernels", "fast", "engines", "environments", "runlog", "scale", "tools",
-            "trl_compat", "variants")
+PACKAGES = ("kernels", "fast", "data_sources", "engines", "environments", "resume", "rewards",
+            "runlog", "sampling", "scale", "tools", "trl_compat", "variants")
 # the top level: the five stages, the loop, the flags, and what a default run needs
 TOP_LEVEL = {"train", "config", "rollout", "reward", "advantage", "loss", "model", "data",
              "task", "batch", "common", "checkpoint"}

@@ -82,7 +82,7 @@ def test_log_prob_backward_by_gradcheck_and_what_it_saves():
     """fast.update.ChosenLogps's hand-written backward: gradcheck in float64, FILTERED
     and -inf logits included; and for backward it keeps the logits as they came
     (bf16 stays bf16) and one number a row, not an fp32 copy of the logits."""
-    from model import FILTERED
+    from sampling.truncation import FILTERED
 
     torch.manual_seed(0)
     logits = torch.randn(2, 3, 6, **f64)

@@ -1,4 +1,4 @@
-"""The unbiased pass@k estimator, reward.pass_at_k.
+"""The unbiased pass@k estimator, runlog/pass_at_k.py.
 
 It is Chen et al. 2021 (arXiv 2107.03374), eq. 1. It is checked against values
 worked out by hand, and against the binomial form. The evaluation that uses it
@@ -10,7 +10,7 @@ import math
 import pytest
 
 from helpers import run_train, without_timings
-from reward import pass_at_k
+from runlog.pass_at_k import pass_at_k
 
 # (n, c, k, pass@k) worked out by hand: 1 - C(n-c, k) / C(n, k)
 HAND = [

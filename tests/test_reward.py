@@ -9,14 +9,13 @@ import torch
 
 from reward import (
     REWARD_FUNCS,
-    accuracy_reward,
     compute_rewards,
     exact_match_reward,
     get_reward_funcs,
     get_soft_overlong_punishment,
-    reasoning_accuracy_reward,
-    think_format_reward,
 )
+from rewards.math_answers import accuracy_reward, reasoning_accuracy_reward
+from rewards.think_format import think_format_reward
 
 GSM8K_GOLD = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
               "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n"
@@ -74,7 +73,7 @@ def test_accuracy_reward(completion, gold, expected):
 
 
 def test_math_verify_quirk_number_glued_to_tag():
-    """Documented in reward.py, simplification 4."""
+    """Documented in rewards/math_answers.py, simplification 3."""
     completions = ["<think>a</think>72", "<think>a</think> 72"]
 
     assert accuracy_reward(completions, ["72", "72"]) == [0.0, 1.0]
@@ -151,7 +150,7 @@ def test_soft_overlong_punishment_by_hand():
 def test_get_reward_funcs():
     names = ["accuracy_reward", "think_format_reward"]
     assert get_reward_funcs(names) == [accuracy_reward, think_format_reward]
-    names = "exact_match_reward, reward.think_format_reward"
+    names = "exact_match_reward, rewards.think_format.think_format_reward"
     assert get_reward_funcs(names) == [exact_match_reward, think_format_reward]
     assert get_reward_funcs([len]) == [len]
     assert set(REWARD_FUNCS) >= {"accuracy_reward", "reasoning_accuracy_reward",

@@ -101,17 +101,17 @@ def rollout_of(texts, G=1):
 def opened(progress=(6, 12)):
     """reward_extras.open_logs -> (training's RewardLogs, evaluation's); progress:
     what progress() gives, a list to change it."""
-    return reward_extras.open_logs(progress=lambda: tuple(progress), **PROGRESS)
+    return reward_extras.open_logs([], progress=lambda: tuple(progress), **PROGRESS)
 
 
 def test_a_function_gets_the_extras_it_names_and_kw_gets_none():
     named = {fn: reward.extras_named(fn) for fn in (
-        reward.accuracy_reward, task.position_reward, user_rewards.users_position_reward,
+        reward.final_number_reward, task.position_reward, user_rewards.users_position_reward,
         curriculum_reward, boxed_reward, plain_reward, judge, progress_reward,
         reward.get_soft_overlong_punishment(8, 2))}
 
-    # ours and a user's alike: **kw gets none (reward.py, simplification 6)
-    assert named[reward.accuracy_reward] == ()
+    # ours and a user's alike: **kw gets none (reward.py, simplification 2)
+    assert named[reward.final_number_reward] == ()
     assert named[task.position_reward] == ()
     assert named[user_rewards.users_position_reward] == ()
     assert [n for fn, n in named.items() if fn.__module__ == "reward"] == [()] * 2

@@ -140,22 +140,27 @@ def kv_cache_bytes(engine):
 
 
 def test_sleep_frees_until_the_sync(tiny, vllm_engine):
-    """sleep() drops the engine's packed weights and empties its KV buffer.
+    """--vllm-sleep (engines/vllm_sleep.py) drops the engine's packed weights and
+    empties its KV buffer after the step's sampling.
 
-    The next sync refills both: a sample after sleep and sync equals the one
+    The sync then refills both: a sample after sleep and sync equals the one
     before, from the same stream and weights. Sampling while asleep is refused,
     and so is a sync that leaves a layer asleep (as LoRA's would).
     """
-    from engines.vllm_engine import _layers_asleep
+    from engines import vllm_sleep
 
     _, model, _, prompts = tiny
     vllm_engine.sync_weights(model)
     before = vllm_engine.sample(prompts, 4, MAX_NEW, rng_seed=11, temperature=1.0)
     assert min(kv_cache_bytes(vllm_engine)) > 0
 
-    vllm_engine.sleep()
+    def sample_and_score(consumed):
+        return "drawn"
+
+    sample_then_sleep, sync_then_wake = vllm_sleep.attach(sample_and_score, vllm_engine)
+    assert sample_then_sleep(0) == "drawn"
     assert max(kv_cache_bytes(vllm_engine)) == 0
-    assert len(vllm_engine.llm.collective_rpc(_layers_asleep)[0]) > 0
+    assert len(vllm_engine.llm.collective_rpc(vllm_sleep._layers_asleep)[0]) > 0
     with pytest.raises(RuntimeError, match="asleep"):
         vllm_engine.sample(prompts, 4, MAX_NEW, rng_seed=11)
 
@@ -164,11 +169,11 @@ def test_sleep_frees_until_the_sync(tiny, vllm_engine):
     partial.model = torch.nn.Module()
     partial.model.embed_tokens = model.model.embed_tokens
     with pytest.raises(RuntimeError, match="did not send"):
-        vllm_engine.sync_weights(partial)
+        sync_then_wake(partial)
 
-    vllm_engine.sync_weights(model)
+    assert sync_then_wake(model)["seconds"] > 0
     assert min(kv_cache_bytes(vllm_engine)) > 0
-    assert vllm_engine.llm.collective_rpc(_layers_asleep)[0] == []
+    assert vllm_engine.llm.collective_rpc(vllm_sleep._layers_asleep)[0] == []
     after = vllm_engine.sample(prompts, 4, MAX_NEW, rng_seed=11, temperature=1.0)
     assert after[0] == before[0]
     flat = [sum(logps, []) for logps in (before[1], after[1])]

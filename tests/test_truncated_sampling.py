@@ -2,7 +2,7 @@
 
 With top-k, top-p or min-p on, the sampler's log-prob is over the kept set,
 renormalized. The trainer replays the filter on its own logits
-(model.truncate_logits), so exp(trainer - sampler) is 1 on an unchanged policy;
+(sampling/truncation.py), so exp(trainer - sampler) is 1 on an unchanged policy;
 the full-vocabulary log-prob would make it the kept mass. Here: the truncated
 log-prob's value and gradient against a plain loop, the ratio on both engines,
 the loss's two paths on truncated logits, and one short train.py run.
@@ -20,8 +20,9 @@ from fast.decode import FastHFEngine
 from helpers import (FP64_TOL, assert_close_rel, fast_forward, fp32_tol, fp64_norms, run_train,
                      summed_terms, train_parser)
 from loss_calls import call_policy_loss
-from model import (FILTERED, Forward, completion_logits, entropy_from_logits, kept_tokens,
-                   prompt_batch, selective_log_softmax, sequence_logps, truncate_logits)
+from model import (Forward, completion_logits, entropy_from_logits, prompt_batch,
+                   selective_log_softmax, sequence_logps)
+from sampling.truncation import FILTERED, kept_tokens, replayed_on, truncate_logits
 from engines.vllm_engine import VLLMEngine
 from rollout import HFEngine
 
@@ -143,7 +144,8 @@ def test_the_high_entropy_mask_ranks_by_the_truncated_entropy(tiny, forward):
     by_micro = dict(temperature=1.0, micro=ids.shape[0], dtype=torch.float32)
 
     def entropies(model):
-        truncated = policy_entropies(forward, model, batch, ids, **by_micro, top_k=2)  # (N, T)
+        truncating = replayed_on(forward, 1.0, top_k=2)
+        truncated = policy_entropies(truncating, model, batch, ids, **by_micro)  # (N, T)
         full = policy_entropies(forward, model, batch, ids, **by_micro)  # (N, T)
         logits = completion_logits(model, batch, slice(0, ids.shape[0]), ids)
         expected = entropy_from_logits(truncate_logits(logits, ids, 1.0, top_k=2), 1.0)
@@ -183,7 +185,7 @@ def vllm_engine(tiny):
 @pytest.mark.parametrize("knob", list(KNOBS))
 def test_is_ratio_is_one_on_an_unchanged_policy(tiny, request, kind, knob):
     """mean exp(trainer - sampler) over the sampled tokens is 1 with the filter
-    replayed (model.sequence_logps), on both engines, and on the HF engine's
+    replayed (sampling/truncation.py's forward), on both engines, and on the HF engine's
     fast loop with fast.install's forward (fast/).
 
     Without it (the full-vocabulary log-prob) the mean is the kept mass: below
@@ -203,9 +205,9 @@ def test_is_ratio_is_one_on_an_unchanged_policy(tiny, request, kind, knob):
     r = engine.generate(prompts, G, MAX_NEW, temperature=1.0, **filters)
     batch = prompt_batch(r.prompt_ids, engine.pad_id)
     mask = r.completion_mask.bool()  # (N, T)
-    args = (forward, model, batch, r.completion_ids, 1.0, len(r.prompt_ids))
-    trainer = sequence_logps(*args, **filters)  # (N, T)
-    full = sequence_logps(*args)  # (N, T)
+    args = (model, batch, r.completion_ids, 1.0, len(r.prompt_ids))
+    trainer = sequence_logps(replayed_on(forward, 1.0, **filters), *args)  # (N, T)
+    full = sequence_logps(forward, *args)  # (N, T)
 
     ratio = (trainer - r.sampling_logps)[mask].exp()  # (tokens,)
     old_ratio = (full - r.sampling_logps)[mask].exp()

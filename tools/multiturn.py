@@ -51,7 +51,7 @@ import torch
 import data
 from tools import environment
 from model import pad_id
-from reward import environment_reward_func
+from reward import final_number_reward
 from rollout import Rollout, build_rollout, call_seed
 from tools.tool_format import FenceFormat, TemplateFormat, supports_tools
 
@@ -70,6 +70,14 @@ class ToolRollout(Rollout):
     messages: list[list[dict]]
     # (N,) per completion: (environment class, get_reward's value), or None
     environment_rewards: list
+
+    def reward_columns(self):
+        """Each completion's calls, and its environment's score (reward.score)."""
+        return dict(tool_calls=self.tool_calls, environment_rewards=self.environment_rewards)
+
+    def conversations(self):
+        """The assistant and tool turns, as TRL gives them."""
+        return self.messages
 
 
 def unpad(rollout):
@@ -292,9 +300,6 @@ class ToolEngine:
     def sync_weights(self, model, **kwargs):
         return self.engine.sync_weights(model, **kwargs)
 
-    def sleep(self):
-        self.engine.sleep()
-
     def close(self):
         self.engine.close()
 
@@ -334,13 +339,48 @@ def load_environments(args, tokenizer):
     return Environments(specs=specs, fence=fence, tools_of=tools_of, rewards=rewards)
 
 
+def with_observation(question, observation):
+    """The question with an environment's reset text appended to its last
+    message, as TRL does."""
+    if isinstance(question, str):
+        return question + observation
+
+    last = dict(question[-1], content=question[-1]["content"] + observation)
+    return list(question[:-1]) + [last]
+
+
+def environment_reward_func(name):
+    """An environment's get_reward as a reward function, named after its class
+    (TRL's column): the rollout's environment_rewards, None for the rows of
+    another class."""
+    def reward(completions, environment_rewards, **kw):
+        return [pair[1] if pair is not None and pair[0] == name else None
+                for pair in environment_rewards]
+
+    reward.__name__ = name
+    return reward
+
+
+def with_environment_rewards(environments, args, reward_funcs, eval_func):
+    """train.py: each environment's reward after reward_funcs, of weight 1 (added
+    to args.reward_weights); where no --eval-reward named one (eval_func None),
+    the evaluation's is the first, else final_number_reward. -> (reward
+    functions, eval_func)."""
+    args.reward_weights = args.reward_weights + [1.0] * len(environments.rewards)
+    if eval_func is None and environments.rewards:
+        eval_func = environments.rewards[0]
+    elif eval_func is None:
+        eval_func = final_number_reward
+    return reward_funcs + environments.rewards, eval_func
+
+
 def with_tools(engine, tokenizer, environments, args):
     """train.py: the engine in a ToolEngine (environments: load_environments's;
     args: config.py's, for --max-tool-calls, --tool-output-tokens,
     --tool-timeout and the system prompt)."""
     def render(row, observation):
         """The row's prompt ids with its environment's reset text (data.py)."""
-        question = data.with_observation(row["prompt"], observation)
+        question = with_observation(row["prompt"], observation)
         system_prompt = args.system_prompt
         if system_prompt is None:
             system_prompt = data.DEFAULT_SYSTEM_PROMPT

@@ -15,7 +15,7 @@ and it awaits the `async def` ones together on one event loop (asyncio.gather), 
 sync ones.
 
 Rewards take one path, built-in or not: reward.score. A function gets the extras it
-names (reward.extras_named; reward.py's simplification 6). train.py makes a training
+names (reward.extras_named; reward.py's simplification 2). train.py makes a training
 and an evaluation RewardLogs (open_logs) only when some function names one, and passes
 them to reward.score, which asks begin() for each function's keywords and end() for the
 verdict on its log calls. A run whose functions name none never imports this file;
@@ -66,8 +66,10 @@ class TrainerState:
     max_steps: int
 
 
-def open_logs(*, progress, train_prompts, batch_prompts, max_steps):
-    """Once at set-up -> (training's RewardLogs, evaluation's).
+def open_logs(step_loggers, *, progress, train_prompts, batch_prompts, max_steps):
+    """Once at set-up -> (training's RewardLogs, evaluation's). Training's
+    log_metric values join each step's record: the mean over the step's calls and
+    the ranks (a collective), by the name given, as TRL's (a step logger).
 
     progress() -> (optimizer steps done, prompts drawn before the step's first round)
     when called; train_prompts: their number; batch_prompts: a round's
@@ -75,7 +77,9 @@ def open_logs(*, progress, train_prompts, batch_prompts, max_steps):
     """
     shared = dict(progress=progress, train_prompts=train_prompts,
                   batch_prompts=batch_prompts, max_steps=max_steps)
-    return RewardLogs(evaluating=False, **shared), RewardLogs(evaluating=True, **shared)
+    training = RewardLogs(evaluating=False, **shared)
+    step_loggers.append(lambda step, record, *_: record.update(training.step_metrics(record)))
+    return training, RewardLogs(evaluating=True, **shared)
 
 
 def _name(fn):

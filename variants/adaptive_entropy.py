@@ -69,6 +69,16 @@ def window_entropy(sums):
     return (totals[0] / totals[1].clamp(min=1.0)).item()
 
 
+def attach(args, saved, after_optimizer_step, step_loggers):
+    """train.py's set-up for --adaptive-entropy -> the Controller, which steps
+    after each optimizer step and logs each step's coefficient (saved: a resumed
+    checkpoint's trainer state, else None)."""
+    controller = Controller(args, saved)
+    after_optimizer_step.append(controller.step)
+    step_loggers.append(controller.log)
+    return controller
+
+
 class Controller:
     """The controller's state across a run's optimizer steps: train.py calls
     settings() before an optimizer step, measure() in each of its micro-batches,

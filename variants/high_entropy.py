@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from common import collective_device
-from model import truncate_logits
 
 
 @torch.no_grad()
@@ -66,21 +65,27 @@ def high_entropy_mask(entropies, mask, quantile):
     return (entropies >= threshold) & mask.bool()
 
 
+def step_mask(forward, model, prompts, completion_ids, kept, quantile, **by_micro):
+    """train.py's prepare_update: the step's (N, T) mask of its top-`quantile`
+    tokens by the entropy of the policy before the update (kept: loss.kept_mask's
+    tokens, the only ones ranked)."""
+    entropies = policy_entropies(forward, model, prompts, completion_ids, **by_micro)  # (N, T)
+    return high_entropy_mask(entropies, kept, quantile)
+
+
 @torch.no_grad()
-def policy_entropies(forward, model, prompts, completion_ids, *, temperature, micro, dtype,
-                     top_k=0, top_p=1.0, min_p=0.0):
+def policy_entropies(forward, model, prompts, completion_ids, *, temperature, micro, dtype):
     """Per-token entropies (N, T) of the completions under model, through
     forward (a model.Forward).
 
     micro sequences a forward, as in the update: the logits alive at once are
-    (micro, T, V). top_k, top_p, min_p: the sampler's filters, replayed as the
-    loss replays them (model.truncate_logits), so the mask ranks the tokens by
-    the entropy the loss sees.
+    (micro, T, V). A truncating forward (sampling/truncation.py) replays the
+    sampler's filters, as for the loss: the mask ranks the tokens by the
+    entropy the loss sees.
     """
     entropies = []
     for i in range(0, completion_ids.shape[0], micro):
         ids = completion_ids[i:i + micro]  # (micro, T)
         logits = forward.logits(model, prompts, slice(i, i + micro), ids, dtype)
-        logits = truncate_logits(logits, ids, temperature, top_k, top_p, min_p)
         entropies.append(forward.entropies(logits, temperature))  # (micro, T)
     return torch.cat(entropies)  # (N, T)
