@@ -146,14 +146,13 @@ if args.report_to or args.wandb:
 # Setup: data, model, reference, optimizer, rollout engine, the resumed state
 loss_impl, loss_why = choose_impl(args.loss_impl, device, args.importance_sampling_level,
                                   args.loss_type)
-if loss_impl == "triton":  # held to loss.py on this run's settings first (kernels/check.py)
-    from kernels.check import checked_impl
-
-    loss_impl, loss_why = checked_impl(args.loss_impl, loss_why,
-                                       LossSettings.from_flags(args, loss_impl), device)
 # the loss's hyperparameters, the same for every micro-batch: each field is the
-# flag of its name
+# flag of its name; .impl is the loss's path from here on
 loss_settings = LossSettings.from_flags(args, loss_impl)
+if loss_impl == "triton":  # held to loss.py on this run's settings first (kernels/check.py)
+    from kernels.check import checked_settings
+
+    loss_settings, loss_why = checked_settings(args.loss_impl, loss_why, loss_settings, device)
 # the sampler's filters
 truncation = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
 sampling = dict(**truncation, repetition_penalty=args.repetition_penalty)
@@ -295,7 +294,7 @@ if args.fast != "off":
 
     engine, forward, micro, fast_note = fast.install(
         args.fast, args=args, model=model, reference=ref_model, engine=engine,
-        optimizer=optimizer, device=device, dtype=dtype, loss_impl=loss_impl,
+        optimizer=optimizer, device=device, dtype=dtype, loss_impl=loss_settings.impl,
         minibatch=minibatch)
 # --top-k, --top-p, --min-p: the trainer replays the sampler's filters on its own
 # logits, so that its log-probs are over the same truncated support
@@ -333,7 +332,7 @@ n_params = sum(p.numel() for p in raw_model.parameters()) / 1e6
 n_trained = sum(p.numel() for p in trained) / 1e6
 print0(f"engine {type(engine).__name__} ({engine_why}), {world} rank(s) x "
        f"{torch.get_num_threads()} thread(s), device {device}, "
-       f"loss {loss_impl} ({loss_why}), {n_params:.2f}M params "
+       f"loss {loss_settings.impl} ({loss_why}), {n_params:.2f}M params "
        f"({n_trained:.3g}M trained), {len(train_rows)} train prompts")
 print0(f"--fast {args.fast}: {fast_note}")
 # vLLM on CPU: the KV cache sized to the work (engines/vllm_engine.py, simplification 5)
@@ -563,7 +562,7 @@ def backward_micro(batch, prompts, rows, mb_tokens, last, settings):
         logits = forward.logits(model, prompts, rows, ids, dtype)
         if settings.entropy_coef:
             entropies = forward.entropies(logits, args.temperature)
-        if loss_impl == "torch":
+        if loss_settings.impl == "torch":
             logps = forward.logps(logits, ids, args.temperature)
     loss, metrics = policy_loss(logits, micro_batch, settings, minibatch_size=minibatch,
                                 minibatch_tokens=mb_tokens, logps=logps,

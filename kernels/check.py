@@ -17,7 +17,7 @@ off-policy, with old log-probs drawn so that the ratios spread over
 [e^-2, e^2], on both sides of every bound (1 - eps_low, 1 + eps_high, cispo's
 cap, delta), and never within 1e-3 of one.
 
-checked_impl is train.py's decision: the kernel stays where it agrees. Where
+checked_impl is train.py's decision (checked_settings): the kernel stays where it agrees. Where
 it does not, --loss-impl auto falls back to loss.py, saying so in one line, and
 --loss-impl triton stops the run with that line.
 
@@ -135,6 +135,12 @@ def agrees_with_reference(settings, device):
         if not ok:
             return False, numbers
     return True, numbers
+
+
+def checked_settings(loss_impl, why, settings, device):
+    """checked_impl for train.py -> (settings with the impl it keeps, why)."""
+    impl, why = checked_impl(loss_impl, why, settings, device)
+    return dataclasses.replace(settings, impl=impl), why
 
 
 def checked_impl(loss_impl, why, settings, device):
